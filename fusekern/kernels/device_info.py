@@ -1,0 +1,30 @@
+"""Per-device facts that launch heuristics need, read once and cached (thread-safe)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_sm_counts: dict[int, int] = {}
+
+# Used where no CUDA device is present (the Triton interpreter, CPU tests): an H200's count.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count(device: torch.device | str | int | None = None) -> int:
+    """Number of SMs of a CUDA device (the current one by default), cached per device index."""
+    if not torch.cuda.is_available():
+        return DEFAULT_SM_COUNT
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        with _lock:
+            count = _sm_counts.get(index)
+            if count is None:
+                count = torch.cuda.get_device_properties(index).multi_processor_count
+                _sm_counts[index] = count
+    return count

@@ -1,0 +1,387 @@
+"""W8A16 linear: ``out = (x @ w.T) * scale[n] (+ bias[n])`` with int8 weights.
+
+x is fp16/bf16 ``[M, K]``, w is int8 ``[N, K]`` (any strides), scale and bias are ``[N]``.
+
+Read top to bottom: configs and heuristics -> Triton kernels -> launcher -> reference -> custom op.
+
+Three paths, chosen at run time by M (so dynamic M works), thresholds from H200 sweeps
+(benchmarks/sweep_w8a16_linear.py):
+- small M: ``_w8a16_splitk_kernel`` solves the transposed problem ``out.T = w @ x.T`` on tensor
+  cores so the large N fills the MMA's M side (Hopper has no MMA under 64 rows), with split-K when
+  there are too few column tiles to fill the SMs. The int8 weight is read once and converted in
+  registers; partial sums are reduced in a fixed order (deterministic).
+- medium M: ``_w8a16_gemm_kernel``, a tiled tensor-core GEMM that converts the int8 tile after its
+  load and applies scale and bias in the epilogue.
+- large M (compute-bound): ``_dequant_kernel`` writes ``w * scale`` once in the activation dtype and
+  cuBLAS does the GEMM. Measured on H200 at M=2048, N=K=8192 the fused Triton GEMM ran at 519 us
+  against 338 us for cuBLAS alone: Triton's mixed-input pipeline does not keep up with WGMMA there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusekern.kernels.device_info import sm_count
+
+# Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
+KERNEL_VERSION = "w8a16_linear-2"
+
+SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Small M: transposed tensor-core product, BLOCK_M fixed at 16 (the MMA's N side)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+    SPLIT_K: int = 1  # > 1: fp32 partial sums to a workspace, then _splitk_epilogue_kernel
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Medium M: tiled GEMM with grouped tile order."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    """Large M: dequantize once, then cuBLAS."""
+
+    BLOCK_N: int = 32
+    BLOCK_K: int = 256
+
+
+# M thresholds between the paths (H200 sweeps, N = K = 8192 and 4096 x 14336).
+SMALL_M_MAX = 16
+GEMM_M_MAX = 256
+
+
+def select_config(M: int, N: int, K: int, sm_count: int = 132) -> SplitKConfig | GemmConfig | DequantConfig:
+    """The path and launch config for one problem size."""
+    if M <= SMALL_M_MAX:
+        # Measured: with >= 128 column tiles of 64 the plain tiled kernel (BLOCK_M=16) was best
+        # (34.8 us at 1x8192x8192); with fewer tiles the SMs starve and split-K wins
+        # (32.5 us against 46 us at 1x4096x14336).
+        if triton.cdiv(N, 64) >= sm_count:
+            return GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4)
+        tiles = triton.cdiv(N, 32)
+        split_k = max(1, min(4, (2 * sm_count) // max(tiles, 1), triton.cdiv(K, 256)))
+        return SplitKConfig(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5, SPLIT_K=split_k)
+    if M <= GEMM_M_MAX:
+        return GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return DequantConfig()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _w8a16_splitk_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_s, stride_b, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    # Split-K: this program reduces k-tiles [k_begin, k_end) and (if SPLIT_K > 1) writes raw fp32
+    # partial sums to out_ptr, a [SPLIT_K, M, N] workspace; the epilogue then runs once per output.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, k_tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # Clamp out-of-range rows instead of masking every load: the stores are masked.
+    offs_n_ld = tl.where(n_mask, offs_n, 0)
+    offs_m_ld = tl.where(m_mask, offs_m, 0)
+    w_ptrs = w_ptr + offs_n_ld[:, None] * stride_wn + (k_begin * BLOCK_K + offs_k[None, :]) * stride_wk
+    x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + (k_begin * BLOCK_K + offs_k[None, :]) * stride_xk
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_begin, k_end):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = offs_k[None, :] < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=k_mask, other=0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        # Transposed problem: out.T[BLOCK_N, BLOCK_M] = w[BLOCK_N, K] @ x.T[K, BLOCK_M].
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+
+    if SPLIT_K > 1:
+        ws_ptrs = out_ptr + tl.program_id(2) * M * N + offs_n[:, None] + offs_m[None, :] * N
+        tl.store(ws_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        out = acc * tl.load(scale_ptr + offs_n_ld * stride_s).to(tl.float32)[:, None]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n_ld * stride_b).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_n[:, None] * stride_on + offs_m[None, :] * stride_om
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _splitk_epilogue_kernel(
+    ws_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N,
+    stride_s, stride_b, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Sums the SPLIT_K partials of [M, N] in a fixed order (deterministic), then scale, bias, cast.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + i * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = offs // N
+    out = acc * tl.load(scale_ptr + n * stride_s, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n * stride_on, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w8a16_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_s, stride_b, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row-tiles share each column tile of w while it sits in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m_ld = tl.where(offs_m < M, offs_m, 0)
+    offs_n_ld = tl.where(offs_n < N, offs_n, 0)
+    x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k[None, :] < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask, other=0)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # Epilogue: offsets are recomputed from the program id rather than kept live over the loop.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    scale = tl.load(scale_ptr + offs_n * stride_s, mask=n_mask, other=0.0).to(tl.float32)
+    out = acc * scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n * stride_b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, scale_ptr, out_ptr,
+    N, K,
+    stride_wn, stride_wk, stride_s,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # out[n, k] = w[n, k] * scale[n], rounded once to out's dtype; out is contiguous [N, K].
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=mask, other=0)
+    scale = tl.load(scale_ptr + offs_n * stride_s, mask=offs_n < N, other=0.0).to(tl.float32)
+    out = w.to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _check_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"w8a16_linear: x and w must be 2-D, got x{tuple(x.shape)} w{tuple(w.shape)}")
+    if w.dtype != torch.int8:
+        raise TypeError(f"w8a16_linear: w must be int8, got {w.dtype}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"w8a16_linear: K mismatch, x{tuple(x.shape)} w{tuple(w.shape)}")
+    n = w.shape[0]
+    if scale.shape != (n,):
+        raise ValueError(f"w8a16_linear: scale must have shape ({n},), got {tuple(scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"w8a16_linear: bias must have shape ({n},), got {tuple(bias.shape)}")
+    devices = {t.device for t in (x, w, scale, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"w8a16_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def w8a16_linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    config: SplitKConfig | GemmConfig | DequantConfig | None = None,
+) -> torch.Tensor:
+    """Run the path that fits M (or the one ``config`` names).
+
+    Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    _check_args(x, w, scale, bias)
+    if x.dtype not in SUPPORTED_ACT_DTYPES:
+        raise TypeError(f"w8a16_linear_triton: x must be fp16 or bf16, got {x.dtype}")
+    M, K = x.shape
+    N = w.shape[0]
+    out_dtype = out_dtype or x.dtype
+    if M == 0 or N == 0 or K == 0:
+        out = torch.zeros((M, N), device=x.device, dtype=out_dtype)
+        return out if bias is None else out.add_(bias)
+    if config is None:
+        config = select_config(M, N, K, sm_count(x.device))
+    if isinstance(config, DequantConfig):
+        return _dequant_then_mm(x, w, scale, bias, out_dtype, config)
+
+    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    bias_arg = bias if bias is not None else scale  # never read when HAS_BIAS is False
+    strides = (
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        scale.stride(0), bias_arg.stride(0), out.stride(0), out.stride(1),
+    )
+    meta = dict(HAS_BIAS=bias is not None, EVEN_K=K % config.BLOCK_K == 0,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    if isinstance(config, SplitKConfig):
+        split_k = max(1, min(config.SPLIT_K, triton.cdiv(K, config.BLOCK_K)))
+        # With split-K the kernel writes fp32 partials; the epilogue kernel then writes `out`.
+        dst = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32) if split_k > 1 else out
+        grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, 16), split_k)
+        _w8a16_splitk_kernel[grid](
+            x, w, scale, bias_arg, dst, M, N, K, *strides,
+            SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **meta,
+        )
+        if split_k > 1:
+            block = 1024
+            _splitk_epilogue_kernel[(triton.cdiv(M * N, block),)](
+                dst, scale, bias_arg, out, M, N, *strides[4:],
+                HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+            )
+    else:
+        grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N),)
+        _w8a16_gemm_kernel[grid](
+            x, w, scale, bias_arg, out, M, N, K, *strides,
+            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            GROUP_M=config.GROUP_M, **meta,
+        )
+    return out
+
+
+def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig) -> torch.Tensor:
+    """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue)."""
+    N, K = w.shape
+    w_deq = torch.empty((N, K), device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(K, config.BLOCK_K))
+    _dequant_kernel[grid](
+        w, scale, w_deq, N, K, w.stride(0), w.stride(1), scale.stride(0),
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=4,
+    )
+    if bias is not None and bias.dtype == x.dtype:
+        return torch.addmm(bias, x, w_deq.t()).to(out_dtype)
+    out = torch.mm(x, w_deq.t())
+    if bias is not None:
+        out = out.float() + bias.float()
+    return out.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def w8a16_linear_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch in float64 (float32 on devices without float64 matmul): the ground truth."""
+    acc_dtype = torch.float64 if x.device.type == "cpu" else torch.float32
+    out = (x.to(acc_dtype) @ w.to(acc_dtype).t()) * scale.to(acc_dtype)
+    if bias is not None:
+        out = out + bias.to(acc_dtype)
+    return out.to(out_dtype or x.dtype)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("fusekern::w8a16_linear", mutates_args=())
+def w8a16_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(x @ w.T) * scale + bias`` for int8 w, as one fused kernel on CUDA."""
+    _check_args(x, w, scale, bias)
+    if x.device.type == "cuda" and x.dtype in SUPPORTED_ACT_DTYPES:
+        return w8a16_linear_triton(x, w, scale, bias, out_dtype)
+    # CPU (and anything else): fp32 accumulation, the same math as the kernel.
+    out = (x.float() @ w.float().t()) * scale.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@w8a16_linear.register_fake
+def _w8a16_linear_fake(x, w, scale, bias, out_dtype):
+    _check_args(x, w, scale, bias)
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
