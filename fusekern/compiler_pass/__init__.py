@@ -1,0 +1,1 @@
+"""The dynamo backend and the inductor passes that run fusekern's patterns."""

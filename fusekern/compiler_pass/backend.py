@@ -1,0 +1,69 @@
+"""The ``fusekern`` dynamo backend: TorchInductor plus fusekern's graph passes.
+
+``torch.compile(model, backend="fusekern", mode=..., options=...)`` finds this function through the
+``torch_dynamo_backends`` entry point. ``mode`` means what it means for inductor (reduce-overhead
+gives CUDA graphs); ``options`` holds fusekern's keys (see options.py) and inductor config patches.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fusekern.compiler_pass.options import FusekernOptions
+from fusekern.compiler_pass.pass_manager import make_stage_passes
+from fusekern.compiler_pass.report import add_cache_hits
+from fusekern.patterns.registry import FAMILIES, Pattern, all_patterns
+
+log = logging.getLogger("fusekern")
+
+
+def select_patterns(options: FusekernOptions) -> list[Pattern]:
+    """Registered patterns filtered by ``fusekern.enable`` / ``fusekern.disable`` (family or pattern names)."""
+    patterns = all_patterns()
+    known = set(FAMILIES) | {p.name for p in patterns}
+    for name in (*(options.enable or ()), *options.disable):
+        if name not in known:
+            raise ValueError(f"fusekern: no pattern or family named {name!r}; known: {sorted(known)}")
+
+    def named(p: Pattern, names) -> bool:
+        return p.name in names or p.family in names
+
+    if options.enable is not None:
+        patterns = [p for p in patterns if named(p, options.enable)]
+    return [p for p in patterns if not named(p, options.disable)]
+
+
+def fusekern_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+):
+    from torch._dynamo.utils import counters
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    opts = FusekernOptions.parse(options)
+    config_patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
+    config_patches.update(opts.inductor)
+    config_patches.update(make_stage_passes(select_patterns(opts), opts, config_patches))
+    # Debug asks to see the passes run, and a cache hit would skip them.
+    no_cache = contextlib.nullcontext()
+    if opts.debug:
+        config_patches["fx_graph_cache"] = False
+        no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+
+    hits_before = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    with no_cache:
+        compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits_before
+    if hits:
+        add_cache_hits(hits)
+    if opts.debug:
+        from fusekern.compiler_pass.report import match_report
+
+        log.warning("%s", match_report())
+    return compiled

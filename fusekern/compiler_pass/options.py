@@ -1,0 +1,63 @@
+"""Options of the fusekern backend, read from ``torch.compile(..., options={...})``.
+
+Keys starting with ``fusekern.`` are fusekern's; every other key is an inductor config patch and is
+passed through unchanged (``"max_autotune": True``, ``"triton.cudagraphs": True``...).
+
+    fusekern.enable   list of family or pattern names to run (default: all)
+    fusekern.disable  list of family or pattern names not to run
+    fusekern.debug    True: log the match report and dump each graph before/after the passes
+    fusekern.dump_dir where debug dumps go (default: $FUSEKERN_DUMP_GRAPHS, else a temp dir)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PREFIX = "fusekern."
+KEYS = ("enable", "disable", "debug", "dump_dir")
+
+
+@dataclass(frozen=True)
+class FusekernOptions:
+    enable: tuple[str, ...] | None = None
+    disable: tuple[str, ...] = ()
+    debug: bool = False
+    dump_dir: str | None = None
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> "FusekernOptions":
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise TypeError(f"fusekern: options must be a dict, got {type(options).__name__}")
+        ours: dict[str, Any] = {}
+        inductor: dict[str, Any] = {}
+        for key, value in options.items():
+            if key.startswith(PREFIX):
+                short = key[len(PREFIX):]
+                if short not in KEYS:
+                    raise ValueError(f"fusekern: unknown option {key!r}; known: {[PREFIX + k for k in KEYS]}")
+                ours[short] = value
+            else:
+                inductor[key] = value
+        for key in ("enable", "disable"):
+            if key in ours and ours[key] is not None:
+                value = ours[key]
+                if isinstance(value, str):
+                    value = [value]
+                if not all(isinstance(v, str) for v in value):
+                    raise TypeError(f"fusekern: option {PREFIX + key} must be a list of names, got {value!r}")
+                ours[key] = tuple(value)
+        env_dump = os.environ.get("FUSEKERN_DUMP_GRAPHS") or None
+        return cls(
+            enable=ours.get("enable"),
+            disable=ours.get("disable") or (),
+            debug=bool(ours.get("debug", False)),
+            dump_dir=ours.get("dump_dir") or env_dump,
+            inductor=inductor,
+        )
+
+    def dumps(self) -> bool:
+        return self.debug or self.dump_dir is not None

@@ -1,0 +1,117 @@
+"""The graph passes fusekern installs in inductor, one per stage.
+
+- ``post_grad`` runs as ``post_grad_custom_pre_pass``: GEMM-family patterns must see the matmul
+  before inductor's own weight-only-int8 rewrite (a custom *post* pass never sees it).
+- ``joint`` runs as ``joint_custom_pre_pass``: sampling patterns must see ``exponential_``/``rand``
+  before ``replace_random_passes`` turns them into ``inductor_random``.
+
+Each pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the enabled patterns (their code, specs
+and kernel versions), so inductor's FX graph cache stays valid and is never bypassed. A pass the user
+had already set in inductor's config is chained (run first), never dropped.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from typing import Any, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fusekern.compiler_pass.canonicalize import canonicalize
+from fusekern.compiler_pass.options import FusekernOptions
+from fusekern.compiler_pass.report import graph_report
+from fusekern.patterns.registry import Pattern
+
+log = logging.getLogger("fusekern")
+
+PASS_VERSION = "fusekern-pass-1"
+STAGE_CONFIG_KEYS = {"post_grad": "post_grad_custom_pre_pass", "joint": "joint_custom_pre_pass"}
+
+
+def _as_tuple(existing: Any) -> tuple:
+    if existing is None:
+        return ()
+    if isinstance(existing, (list, tuple)):
+        return tuple(existing)
+    return (existing,)
+
+
+@functools.cache
+def _machinery_hash() -> str:
+    """Hash of the code that decides how patterns are traced and applied (not the patterns)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from fusekern.compiler_pass import canonicalize as canon_mod
+    from fusekern.patterns import registry as registry_mod
+    from fusekern.patterns import spec as spec_mod
+
+    files = (__file__, canon_mod.__file__, registry_mod.__file__, spec_mod.__file__)
+    return get_hash_for_files(tuple(files)).hex()
+
+
+class FusekernGraphPass(CustomGraphPass):
+    def __init__(self, stage: str, patterns: Sequence[Pattern], options: FusekernOptions, chained: Any = None):
+        self.stage = stage
+        self.patterns = list(patterns)
+        self.options = options
+        self.chained = _as_tuple(chained)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for user_pass in self.chained:
+            user_pass(graph)
+        if self.stage == "post_grad":
+            # Inductor removes no-op views/converts right after this pass; do it first so a no-op
+            # `.to(same dtype)` in user code cannot hide a pattern (the patterns are traced without).
+            from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+            remove_noop_ops(graph)
+        canonicalize(graph)
+        self._dump(graph, "before")
+        with graph_report(self.stage) as report:
+            report.nodes_before = len(graph.nodes)
+            for p in self.patterns:
+                n = p.matcher_pass().apply(graph)
+                if n:
+                    report.fired[p.name] += n
+            if report.fired:
+                graph.eliminate_dead_code()
+            report.nodes_after = len(graph.nodes)
+        self._dump(graph, "after", report.graph_id)
+
+    def uuid(self) -> str | None:
+        parts = [PASS_VERSION, _machinery_hash(), self.stage, [(p.name, p.fingerprint) for p in self.patterns]]
+        for user_pass in self.chained:
+            uid = user_pass.uuid() if hasattr(user_pass, "uuid") else None
+            if uid is None:  # the user's pass opts out of caching: so do we
+                return None
+            parts.append(uid)
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+    def _dump(self, graph: torch.fx.Graph, when: str, graph_id: int | None = None) -> None:
+        if not self.options.dumps():
+            return
+        out_dir = self.options.dump_dir or os.path.join(tempfile.gettempdir(), "fusekern-graphs")
+        os.makedirs(out_dir, exist_ok=True)
+        tag = f"{os.getpid()}-{id(graph):x}-{self.stage}-{when}"
+        path = os.path.join(out_dir, f"{tag}.txt")
+        with open(path, "w") as f:
+            f.write(str(graph))
+        log.info("fusekern: dumped graph %s to %s", when, path)
+
+
+def make_stage_passes(patterns: Sequence[Pattern], options: FusekernOptions, config_patches: dict) -> dict:
+    """Config patches installing one pass per stage that has enabled patterns, chaining what was set."""
+    from torch._inductor import config as inductor_config
+
+    patches = {}
+    for stage, key in STAGE_CONFIG_KEYS.items():
+        stage_patterns = [p for p in patterns if p.stage == stage]
+        if not stage_patterns:
+            continue
+        existing = config_patches.get(key, getattr(inductor_config, key))
+        patches[key] = FusekernGraphPass(stage, stage_patterns, options, chained=existing)
+    return patches

@@ -1,0 +1,1 @@
+"""Pattern families (one module each) and the registry they register into."""

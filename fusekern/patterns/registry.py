@@ -1,0 +1,309 @@
+"""The pattern registry: what a pattern is, how it is registered, validated and turned into a pass.
+
+A pattern is a search function written in plain PyTorch, a replacement with the same signature, and
+specs of its inputs. ``register_pattern`` validates it (runs both on example inputs of every variant
+and traces the search function) and stores it; the inductor pattern pass for it is built lazily, the
+first time a compile needs it, once per process.
+
+Built-in pattern modules register on first use of the registry (never at ``import fusekern``), then
+third-party packages through the ``fusekern.patterns`` entry-point group.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fusekern.patterns.spec import Dim, TensorSpec, Variant, make_inputs, trace_sizes, variants
+
+log = logging.getLogger("fusekern")
+
+FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
+STAGES = ("post_grad", "joint")
+BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul",)
+ENTRY_POINT_GROUP = "fusekern.patterns"
+
+# Relative-error tolerances (||out - ref|| / ||ref||) by the least precise float dtype a computation
+# touches: bf16 activations with an fp32 scale still multiply in bf16.
+DEFAULT_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+}
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The least precise floating dtype among ``tensors`` (float32 if none is floating)."""
+    floats = [t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return min(floats, key=lambda d: (torch.finfo(d).eps * -1), default=torch.float32)
+
+# Why a check turned a candidate down: a string. None (or True) lets the pattern fire.
+CheckFn = Callable[[Mapping[str, Any]], "str | bool | None"]
+
+
+class PatternError(ValueError):
+    """A pattern failed validation at registration."""
+
+
+@dataclass(eq=False)
+class Pattern:
+    """One rewrite: ``search`` -> ``replacement``.
+
+    inputs: specs keyed by the search function's parameter names, in order.
+    dtypes: values of the dtype variables the specs use, e.g. ``{"act": (torch.bfloat16, torch.float16)}``.
+    dims: size constraints for symbolic dims (group sizes, packing multiples).
+    check: gets the matched inputs' fake tensors by name; returns a reason string to refuse.
+    stage: ``post_grad`` (GEMM families, before inductor's own weight-only-int8 rewrite) or ``joint``
+    (sees random ops before inductor replaces them: sampling).
+    kernel_version: changes whenever the replacement's kernels change (part of the cache key).
+    """
+
+    name: str
+    search: Callable
+    replacement: Callable
+    inputs: Mapping[str, TensorSpec]
+    dtypes: Mapping[str, tuple[torch.dtype, ...]] = field(default_factory=dict)
+    dims: Mapping[str, Dim] = field(default_factory=dict)
+    check: CheckFn | None = None
+    family: str = "user"
+    stage: str = "post_grad"
+    kernel_version: str = ""
+    tolerance: Mapping[torch.dtype, float] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self):
+        self._pass = None
+        self._lock = threading.Lock()
+
+    # -- identity ------------------------------------------------------------------------------
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Changes when the pattern's code, specs or kernels change: feeds the FX-cache uuid."""
+        h = hashlib.sha256()
+        for fn in (self.search, self.replacement, self.check):
+            h.update(_source_of(fn).encode())
+        h.update(repr((self.name, sorted(self.inputs.items()), sorted(self.dtypes.items(), key=str),
+                       sorted(self.dims.items()), self.stage, self.kernel_version)).encode())
+        return h.hexdigest()[:16]
+
+    def tol(self, dtype: torch.dtype) -> float:
+        return self.tolerance.get(dtype, DEFAULT_TOLERANCE.get(dtype, 1e-2))
+
+    def variants(self) -> list[Variant]:
+        return list(variants(self.inputs, self.dtypes))
+
+    def example_inputs(self, variant: Variant, device="cpu") -> dict[str, torch.Tensor]:
+        return make_inputs(self.inputs, variant, trace_sizes(self.inputs, self.dims), device=device)
+
+    # -- the inductor pass ------------------------------------------------------------------------
+    def matcher_pass(self):
+        """The PatternMatcherPass holding this pattern's traced variants (built once, lazily)."""
+        if self._pass is None:
+            with self._lock:
+                if self._pass is None:
+                    self._pass = _build_matcher_pass(self)
+        return self._pass
+
+    def run_check(self, values: Mapping[str, Any]) -> str | None:
+        """None when the pattern may fire on these (fake) inputs, else the reason it may not."""
+        if self.check is None:
+            return None
+        verdict = self.check(values)
+        if verdict is None or verdict is True:
+            return None
+        if verdict is False:
+            return "check returned False"
+        return str(verdict)
+
+
+def _source_of(fn) -> str:
+    if fn is None:
+        return ""
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        return repr(code.co_code) if code is not None else repr(fn)
+
+
+# ----------------------------------------------------------------------------- registry state
+
+_patterns: dict[str, Pattern] = {}
+_registry_lock = threading.RLock()
+_loaded = False
+
+
+def register_pattern(
+    name: str | None = None,
+    search: Callable | None = None,
+    replacement: Callable | None = None,
+    *,
+    inputs: Mapping[str, TensorSpec],
+    dtypes: Mapping[str, tuple[torch.dtype, ...]] | None = None,
+    dims: Mapping[str, Dim] | None = None,
+    check: CheckFn | None = None,
+    family: str = "user",
+    stage: str = "post_grad",
+    kernel_version: str = "",
+    tolerance: Mapping[torch.dtype, float] | None = None,
+    description: str = "",
+):
+    """Register a rewrite. Use directly, or as a decorator on the search function::
+
+        @fusekern.register_pattern("my_scale", replacement=fused, inputs={...})
+        def my_scale(x, w, s):
+            return torch.nn.functional.linear(x, w) * s
+
+    Raises PatternError (naming the pattern) on a duplicate name, a search function that cannot be
+    traced, or a replacement whose output shape or dtype differs on any example variant.
+    """
+    if search is None:
+        def decorator(fn):
+            register_pattern(name or fn.__name__, fn, replacement, inputs=inputs, dtypes=dtypes, dims=dims,
+                             check=check, family=family, stage=stage, kernel_version=kernel_version,
+                             tolerance=tolerance, description=description)
+            return fn
+        return decorator
+    pattern = Pattern(
+        name=name or search.__name__, search=search, replacement=replacement, inputs=dict(inputs),
+        dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
+        kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
+    )
+    with _registry_lock:
+        if pattern.name in _patterns:
+            raise PatternError(f"pattern {pattern.name!r}: a pattern of that name is already registered")
+        validate(pattern)
+        _patterns[pattern.name] = pattern
+    log.debug("registered pattern %s (%s, %s)", pattern.name, pattern.family, pattern.stage)
+    return pattern
+
+
+def unregister_pattern(name: str) -> None:
+    """Remove a pattern (tests and interactive use)."""
+    with _registry_lock:
+        _patterns.pop(name, None)
+
+
+def validate(p: Pattern) -> None:
+    """Registration-time checks; every failure names the pattern and the variant."""
+    if p.replacement is None or not callable(p.search) or not callable(p.replacement):
+        raise PatternError(f"pattern {p.name!r}: search and replacement must be callables")
+    if p.family not in FAMILIES:
+        raise PatternError(f"pattern {p.name!r}: family must be one of {FAMILIES}, got {p.family!r}")
+    if p.stage not in STAGES:
+        raise PatternError(f"pattern {p.name!r}: stage must be one of {STAGES}, got {p.stage!r}")
+    params = list(inspect.signature(p.search).parameters)
+    if params != list(p.inputs):
+        raise PatternError(f"pattern {p.name!r}: inputs {list(p.inputs)} must name the search "
+                           f"function's parameters in order {params}")
+    if list(inspect.signature(p.replacement).parameters) != params:
+        raise PatternError(f"pattern {p.name!r}: replacement must take the same parameters {params}")
+    for spec in p.inputs.values():
+        if isinstance(spec.dtype, str) and spec.dtype not in p.dtypes:
+            raise PatternError(f"pattern {p.name!r}: dtype variable {spec.dtype!r} has no values in dtypes=")
+    from torch._inductor.pattern_matcher import fwd_only
+
+    for variant in p.variants():
+        args = p.example_inputs(variant)
+        try:
+            want = p.search(**args)
+        except Exception as e:
+            raise PatternError(f"pattern {p.name!r} [{variant.label()}]: search function failed on its "
+                               f"example inputs: {type(e).__name__}: {e}") from e
+        try:
+            got = p.replacement(**args)
+        except Exception as e:
+            raise PatternError(f"pattern {p.name!r} [{variant.label()}]: replacement failed on the example "
+                               f"inputs: {type(e).__name__}: {e}") from e
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            raise PatternError(f"pattern {p.name!r}: search and replacement must each return one tensor")
+        if want.shape != got.shape or want.dtype != got.dtype:
+            raise PatternError(
+                f"pattern {p.name!r} [{variant.label()}]: replacement returns {tuple(got.shape)} {got.dtype}, "
+                f"search returns {tuple(want.shape)} {want.dtype}")
+        try:
+            fwd_only(p.search, list(args.values()))
+        except Exception as e:
+            raise PatternError(f"pattern {p.name!r} [{variant.label()}]: search function cannot be traced "
+                               f"to an ATen graph: {type(e).__name__}: {e}") from e
+
+
+# ----------------------------------------------------------------------------- lookup
+
+
+def load_patterns() -> None:
+    """Import the built-in pattern modules, then entry points of group ``fusekern.patterns`` (once)."""
+    global _loaded
+    if _loaded:
+        return
+    with _registry_lock:
+        if _loaded:
+            return
+        for mod in BUILTIN_MODULES:
+            importlib.import_module(mod)
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+            except Exception as e:
+                raise ImportError(f"fusekern: entry point {ep.name!r} ({ep.value}) of group "
+                                  f"{ENTRY_POINT_GROUP!r} failed to load: {e}") from e
+            if callable(obj) and not inspect.ismodule(obj):
+                obj()  # a registration function
+        _loaded = True
+
+
+def all_patterns() -> list[Pattern]:
+    load_patterns()
+    with _registry_lock:
+        return list(_patterns.values())
+
+
+def get_pattern(name: str) -> Pattern:
+    load_patterns()
+    try:
+        return _patterns[name]
+    except KeyError:
+        raise KeyError(f"fusekern: no pattern named {name!r}; known: {sorted(_patterns)}") from None
+
+
+# ----------------------------------------------------------------------------- inductor pass
+
+
+def _build_matcher_pass(p: Pattern):
+    """Trace every variant of ``p`` into one PatternMatcherPass; the check records refusals."""
+    from torch._inductor.pattern_matcher import PatternMatcherPass, register_replacement
+
+    from fusekern.compiler_pass.canonicalize import trace
+    from fusekern.compiler_pass.report import record_rejection
+
+    argnames = list(p.inputs)
+
+    def extra_check(match) -> bool:
+        values = {}
+        for arg in argnames:
+            node = match.kwargs.get(arg)
+            values[arg] = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+        reason = p.run_check(values)
+        if reason is not None:
+            record_rejection(p.name, str(match.output_nodes()[0]), reason)
+            return False
+        return True
+
+    mpass = PatternMatcherPass(pass_name=f"fusekern:{p.name}")
+    for variant in p.variants():
+        args = list(p.example_inputs(variant).values())
+        register_replacement(
+            p.search, p.replacement, args, trace, mpass,
+            extra_check=extra_check, skip_duplicates=True, pattern_name=p.name,
+        )
+    return mpass

@@ -1,0 +1,204 @@
+"""Implementation of the equivalence harness; see fusekern.testing for the overview."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fusekern.patterns.registry import Pattern, compute_dtype, get_pattern
+from fusekern.patterns.spec import make_inputs, random_sizes
+
+LAYOUTS = ("contiguous", "noncontiguous", "misaligned")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; inf on NaN or shape mismatch; 0 for two empty tensors."""
+    if out.shape != ref.shape:
+        return float("inf")
+    out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    if torch.isnan(out64).any() and not torch.isnan(ref64).any():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom
+
+
+def _upcast(args: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in args.items()}
+
+
+# ----------------------------------------------------------------------------- (a) one pattern
+
+
+@dataclass
+class Case:
+    variant: str
+    sizes: dict
+    layout: str
+    err: float
+    tol: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol
+
+    def describe(self, pattern: Pattern) -> str:
+        dims = {k: v for k, v in self.sizes.items() if not k.startswith("B") or k == "B0"}
+        return (f"[{self.variant}] sizes={dims} layout={self.layout}: rel_err={self.err:.3g} "
+                f"(tolerance {self.tol:.3g}){' ' + self.note if self.note else ''}")
+
+
+@dataclass
+class CheckResult:
+    pattern: str
+    device: str
+    cases: list[Case] = field(default_factory=list)
+    declined: int = 0  # draws the pattern's check refused (not compared)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cases) and all(c.ok for c in self.cases)
+
+    @property
+    def worst(self) -> Case | None:
+        return max(self.cases, key=lambda c: c.err / c.tol if c.tol else c.err, default=None)
+
+    def __str__(self) -> str:
+        status = "PASS" if self.passed else "FAIL"
+        worst = self.worst
+        tail = f"; worst {worst.describe(get_pattern(self.pattern))}" if worst else "; no case ran"
+        return f"{status} {self.pattern} on {self.device}: {len(self.cases)} cases, {self.declined} declined{tail}"
+
+    def assert_ok(self) -> None:
+        if not self.passed:
+            bad = [c for c in self.cases if not c.ok]
+            p = get_pattern(self.pattern)
+            lines = [str(self)] + [f"  failing {c.describe(p)}" for c in bad[:5]]
+            raise AssertionError("\n".join(lines))
+
+
+def check_pattern(
+    pattern: Pattern | str,
+    *,
+    device: str = "cpu",
+    draws: int = 24,
+    seed: int = 0,
+    layouts: Sequence[str] = LAYOUTS,
+) -> CheckResult:
+    """Compare replacement against a float64 run of the search function on random inputs."""
+    p = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    rng = random.Random(seed)
+    variants = p.variants()
+    result = CheckResult(p.name, device)
+    for i in range(draws):
+        variant = variants[i % len(variants)]
+        layout = layouts[(i // len(variants)) % len(layouts)]
+        sizes = random_sizes(p.inputs, p.dims, rng)
+        args = make_inputs(p.inputs, variant, sizes, device=device, seed=seed * 1000 + i, layout=layout)
+        if p.run_check(args) is not None:
+            result.declined += 1
+            continue
+        want = p.search(**args)
+        got = p.replacement(**args)
+        try:
+            ref = p.search(**_upcast(args))
+            note = ""
+        except Exception:  # search code that only runs in the low-precision dtypes
+            ref, note = want, "(reference: search in its own dtypes)"
+        tol = p.tol(compute_dtype(want, *args.values()))
+        err = rel_err(got, ref)
+        if got.dtype != want.dtype or got.shape != want.shape:
+            err, note = float("inf"), f"replacement gave {tuple(got.shape)} {got.dtype}, search {tuple(want.shape)} {want.dtype}"
+        result.cases.append(Case(variant.label(), sizes, layout, err, tol, note))
+    return result
+
+
+# ----------------------------------------------------------------------------- (b) a compiled function
+
+
+class GraphCapture(CustomGraphPass):
+    """An inductor post-grad pass that only records the final graph (after every rewrite)."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+        self.targets: list[set[str]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs.append(str(graph))
+        self.targets.append({str(n.target) for n in graph.nodes if n.op == "call_function"})
+
+    def uuid(self):
+        return None  # never cached: the point is to see the graph
+
+
+@dataclass
+class CompiledCheck:
+    fired: dict
+    graphs: list[str]
+    targets: set[str]
+    errors: list[float]
+
+
+def assert_compiled(
+    fn: Callable,
+    args: Sequence[Any],
+    *,
+    fired: Mapping[str, int] | None = None,
+    gone: Iterable[str] = (),
+    present: Iterable[str] = (),
+    tol: float | None = None,
+    dynamic: bool | None = None,
+    options: Mapping[str, Any] | None = None,
+    extra_args: Sequence[Sequence[Any]] = (),
+) -> CompiledCheck:
+    """Compile ``fn`` with fusekern and check it against eager.
+
+    fired: exact match counts per pattern (patterns not named must not fire); ``{}`` = nothing fires.
+    gone / present: op names (as ``str(node.target)``, e.g. ``"aten.mm.default"``) that must be absent
+    from / present in the final post-grad graph. extra_args: more argument tuples run through the same
+    compiled function (dynamic shapes).
+    """
+    import fusekern
+
+    capture = GraphCapture()
+    opts = dict(options or {})
+    opts["post_grad_custom_post_pass"] = capture
+    torch._dynamo.reset()
+    fusekern.reset_match_report()
+    compiled = torch.compile(fn, backend="fusekern", dynamic=dynamic, options=opts)
+    errors = []
+    for call_args in (tuple(args), *map(tuple, extra_args)):
+        got = compiled(*call_args)
+        want = fn(*call_args)
+        t = tol if tol is not None else _default_tol(want, *call_args)
+        err = rel_err(got, want)
+        errors.append(err)
+        if got.dtype != want.dtype or err > t:
+            raise AssertionError(f"compiled output differs from eager: rel_err={err:.3g} (tolerance {t:.3g}), "
+                                 f"dtype {got.dtype} vs {want.dtype}, shapes {tuple(got.shape)} vs {tuple(want.shape)}")
+    report = fusekern.match_report()
+    counts = dict(report.fired())
+    if report.cache_hits:
+        raise AssertionError("graph came from a cache; the passes did not run (GraphCapture should prevent this)")
+    if fired is not None and counts != dict(fired):
+        raise AssertionError(f"fired {counts}, expected {dict(fired)}\n{report}")
+    targets = set().union(*capture.targets) if capture.targets else set()
+    for op in gone:
+        if op in targets:
+            raise AssertionError(f"{op} is still in the compiled graph:\n" + "\n".join(capture.graphs))
+    for op in present:
+        if op not in targets:
+            raise AssertionError(f"{op} is not in the compiled graph:\n" + "\n".join(capture.graphs))
+    return CompiledCheck(counts, capture.graphs, targets, errors)
+
+
+def _default_tol(*tensors) -> float:
+    from fusekern.patterns.registry import DEFAULT_TOLERANCE
+
+    return DEFAULT_TOLERANCE.get(compute_dtype(*tensors), 1e-2)
