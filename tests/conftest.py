@@ -1,0 +1,33 @@
+"""Test setup: on a machine without CUDA, Triton kernels run in the interpreter on CPU tensors.
+
+TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test imports
+fusekern's kernels. GPU tests carry the ``gpu`` marker and are skipped without CUDA.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from fusekern.testing.triton_interpreter import patch_bf16_support
+
+    patch_bf16_support()
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield

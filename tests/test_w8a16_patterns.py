@@ -1,0 +1,193 @@
+"""W8A16 patterns through torch.compile(backend="fusekern"): the forms users write fire, near-misses don't."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusekern
+from fusekern.testing import assert_compiled
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+GONE = ["aten.mm.default", "aten._weight_int8pack_mm.default", "aten.addmm.default"]
+FUSED = ["fusekern.w8a16_linear.default"]
+
+
+def inputs(M=5, N=48, K=64, dtype=BF16, lead=(), w_dtype=torch.int8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(DEVICE, dtype)
+    w = torch.randint(-127, 127, (N, K), generator=g).to(DEVICE, w_dtype)
+    s = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(DEVICE)
+    b = torch.randn(N, generator=g).to(DEVICE, dtype)
+    return x, w, s, b
+
+
+def scale_after(x, w, s):
+    return F.linear(x, w.to(x.dtype)) * s
+
+
+def scale_after_matmul_op(x, w, s):
+    return (x @ w.t().to(x.dtype)) * s
+
+
+def scale_after_torch_matmul(x, w, s):
+    return torch.matmul(x, w.to(x.dtype).t()) * s
+
+
+def scale_after_bias(x, w, s, b):
+    return F.linear(x, w.to(x.dtype)) * s + b
+
+
+def dequant_before(x, w, s):
+    return F.linear(x, w.to(x.dtype) * s.to(x.dtype)[:, None])
+
+
+def dequant_before_unsqueeze_then_cast(x, w, s, b):
+    return F.linear(x, w.to(x.dtype) * s.unsqueeze(1).to(x.dtype), b)
+
+
+def dequant_before_fp32(x, w, s):
+    return F.linear(x, (w.to(torch.float32) * s[:, None]).to(x.dtype))
+
+
+def dequant_before_col_scale(x, w, s):
+    return x @ (w.to(x.dtype) * s.to(x.dtype).view(-1, 1)).t()
+
+
+FORMS = [
+    (scale_after, "w8a16_linear_scale", 3),
+    (scale_after_matmul_op, "w8a16_linear_scale", 3),
+    (scale_after_torch_matmul, "w8a16_linear_scale", 3),
+    (scale_after_bias, "w8a16_linear_scale_bias", 4),
+    (dequant_before, "w8a16_dequant_linear", 3),
+    (dequant_before_unsqueeze_then_cast, "w8a16_dequant_linear_bias", 4),
+    (dequant_before_fp32, "w8a16_dequant_fp32_linear", 3),
+    (dequant_before_col_scale, "w8a16_dequant_linear_col_scale", 3),
+]
+
+
+@pytest.mark.parametrize("fn,pattern,nargs", FORMS, ids=[f[0].__name__ for f in FORMS])
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
+def test_form_fires_and_matches(fn, pattern, nargs, lead):
+    args = inputs(lead=lead)[:nargs]
+    assert_compiled(fn, args, fired={pattern: 1}, gone=GONE, present=FUSED)
+
+
+XFAIL_3D_SYMBOLIC = pytest.mark.xfail(
+    strict=True, reason="known miss: when two dims of a 3-D activation (or N and K) are symbolic, the "
+                        "retraced reshape([B*M, K]) does not match the graph's; the structural matcher "
+                        "of issue 3 replaces exact-graph matching")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+@pytest.mark.parametrize("lead,dyn_dims", [
+    ((), (0,)),
+    ((2,), (1,)),
+    pytest.param((2,), (0, 1), marks=XFAIL_3D_SYMBOLIC),
+], ids=["2d-M", "3d-M", "3d-B-and-M"])
+def test_dynamic_m_one_compile(dtype, lead, dyn_dims):
+    """Dynamic M (weights static, as parameters and buffers are): one graph serves every size."""
+    x, w, s, _ = inputs(M=3, lead=lead, dtype=dtype)
+    for d in dyn_dims:
+        torch._dynamo.mark_dynamic(x, d)
+    # Sizes of 1 are left out: dynamo specializes 0/1 sizes into a graph of their own (test_decode_m1).
+    sizes = [(5, 3), (17, 3), (40, 2)] if len(dyn_dims) == 2 else [(5, 2), (17, 2), (40, 2)]
+    more = [(inputs(M=m, lead=lead and (b,), dtype=dtype, seed=m)[0], w, s) for m, b in sizes]
+    assert_compiled(scale_after, (x, w, s), fired={"w8a16_linear_scale": 1}, gone=GONE, extra_args=more)
+
+
+@pytest.mark.parametrize("lead", [(), pytest.param((2,), marks=XFAIL_3D_SYMBOLIC)])
+def test_dynamic_everything(lead):
+    """dynamic=True makes every dim symbolic, the weight's too."""
+    x, w, s, _ = inputs(M=3, lead=lead)
+    more = [(inputs(M=9, lead=lead, seed=9)[0], w, s)]
+    assert_compiled(scale_after, (x, w, s), fired={"w8a16_linear_scale": 1}, dynamic=True, extra_args=more)
+
+
+@pytest.mark.parametrize("lead", [(), (1,)])
+def test_decode_m1(lead):
+    x, w, s, b = inputs(M=1, lead=lead)
+    assert_compiled(scale_after_bias, (x, w, s, b), fired={"w8a16_linear_scale_bias": 1}, gone=GONE)
+
+
+def test_two_linears_in_a_module():
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            self.w1 = torch.nn.Buffer(torch.randint(-127, 127, (96, 64), generator=g, dtype=torch.int8))
+            self.s1 = torch.nn.Buffer(torch.rand(96, generator=g) * 0.02)
+            self.w2 = torch.nn.Buffer(torch.randint(-127, 127, (64, 96), generator=g, dtype=torch.int8))
+            self.s2 = torch.nn.Buffer(torch.rand(64, generator=g).to(BF16) * 0.02)
+
+        def forward(self, x):
+            h = F.silu(F.linear(x, self.w1.to(x.dtype)) * self.s1).to(x.dtype)
+            return F.linear(h, self.w2.to(x.dtype) * self.s2[:, None])
+
+    m = MLP().to(DEVICE)
+    x = torch.randn(2, 7, 64, device=DEVICE, dtype=BF16)
+    assert_compiled(m, (x,), fired={"w8a16_linear_scale": 1, "w8a16_dequant_linear": 1}, gone=GONE)
+
+
+# -- near misses: the graph stays as written --------------------------------------------------
+
+
+def test_float_weights_do_not_fire():
+    x, w, s, _ = inputs()
+    assert_compiled(scale_after, (x, w.to(torch.float16), s), fired={})
+
+
+@pytest.mark.parametrize("w_dtype", [torch.uint8, torch.int16, torch.int32])
+def test_other_int_weights_do_not_fire(w_dtype):
+    x, w, s, _ = inputs(w_dtype=w_dtype)
+    assert_compiled(scale_after, (x, w.abs(), s), fired={})
+    reasons = [r.reason for r in fusekern.match_report().rejections()]
+    assert any("not int8" in r for r in reasons), reasons
+
+
+def test_fp32_activations_do_not_fire():
+    x, w, s, _ = inputs(dtype=torch.float32)
+    assert_compiled(scale_after, (x, w, s), fired={})
+
+
+def test_per_token_scale_is_not_a_channel_scale():
+    """``linear(x, w) * s[:, None]`` scales rows (tokens): same graph shape, different meaning."""
+    x, w, _, _ = inputs(M=6)
+    s_tok = torch.rand(6, 1, device=DEVICE)
+    assert_compiled(scale_after, (x, w, s_tok), fired={})
+    reasons = [r.reason for r in fusekern.match_report().rejections()]
+    assert any("one value per output channel" in r for r in reasons), reasons
+
+
+def test_input_channel_scale_in_dequant_form_does_not_fire():
+    """``w * s`` with s of shape [1, K] scales input channels: not this pattern."""
+    x, w, _, _ = inputs()
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype) * s)
+
+    assert_compiled(f, (x, w, torch.rand(1, 64, device=DEVICE, dtype=BF16)), fired={})
+
+
+def test_intermediate_with_second_user_does_not_fire():
+    """The dequantized weight is needed anyway: fusing would not save the read."""
+    x, w, s, _ = inputs()
+
+    def f(x, w, s):
+        wd = w.to(x.dtype) * s.to(x.dtype)[:, None]
+        return F.linear(x, wd), wd.sum()
+
+    compiled = torch.compile(f, backend="fusekern")
+    fusekern.reset_match_report()
+    compiled(x, w, s)
+    assert dict(fusekern.match_report().fired()) == {}
+
+
+def test_disable_family_leaves_graph_alone():
+    x, w, s, _ = inputs()
+    assert_compiled(scale_after, (x, w, s), fired={}, options={"fusekern.disable": ["dequant_matmul"]})
+
+
+def test_enable_single_pattern():
+    x, w, s, b = inputs()
+    assert_compiled(scale_after_bias, (x, w, s, b), fired={"w8a16_linear_scale": 1},
+                    options={"fusekern.enable": ["w8a16_linear_scale"]})
