@@ -1,0 +1,52 @@
+"""GPU-only checks: the kernels at model sizes, every dispatch path, and the compiled pattern on CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusekern.kernels import w8a16_linear as k
+from fusekern.testing import assert_compiled, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 8192, 8192), (16, 8192, 8192), (1, 4096, 14336), (7, 4099, 1000),
+                                   (64, 8192, 8192), (333, 1031, 4096), (2048, 8192, 8192)])
+def test_kernel_at_model_sizes(M, N, K, dtype):
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    w = torch.randint(-128, 128, (N, K), device="cuda", dtype=torch.int8)
+    s = torch.rand(N, device="cuda") * 0.01 + 1e-3
+    b = torch.randn(N, device="cuda", dtype=dtype)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    k.w8a16_linear_triton(x, w, s, b, dtype, out=out)
+    ref = k.w8a16_linear_reference(x, w, s, b, torch.float32)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_compiled_on_cuda_skips_inductor_woq():
+    x = torch.randn(4, 9, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-128, 128, (1024, 4096), device="cuda", dtype=torch.int8)
+    s = torch.rand(1024, device="cuda", dtype=torch.bfloat16) * 0.01
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype)) * s
+
+    assert_compiled(f, (x, w, s), fired={"w8a16_linear_scale": 1},
+                    gone=["aten.mm.default", "aten._weight_int8pack_mm.default"],
+                    present=["fusekern.w8a16_linear.default"])
+
+
+def test_reduce_overhead_cuda_graphs():
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-128, 128, (4096, 4096), device="cuda", dtype=torch.int8)
+    s = torch.rand(4096, device="cuda", dtype=torch.bfloat16) * 0.01
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype)) * s
+
+    compiled = torch.compile(f, backend="fusekern", mode="reduce-overhead")
+    for _ in range(3):
+        out = compiled(x, w, s)
+    assert rel_err(out, k.w8a16_linear_reference(x, w, s, None, torch.float32)) < 1e-2
