@@ -24,20 +24,20 @@ PATHS = {
 
 
 def make(M, N, K, dtype, layout="contiguous", seed=0, bias_dtype=None):
+    """Inputs on DEVICE; strided / misaligned views are made there (``.to`` would re-densify them)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(dtype)
-    w = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    s = torch.rand(N, generator=g) * 0.02 + 1e-3
-    b = torch.randn(N, generator=g).to(bias_dtype) if bias_dtype else None
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8).to(DEVICE)
+    s = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(DEVICE)
+    b = torch.randn(N, generator=g).to(DEVICE, bias_dtype) if bias_dtype else None
     if layout == "noncontiguous":
         x = torch.cat([x, x], dim=1)[:, ::2]  # column stride 2
         w = torch.cat([w, w], dim=1)[:, :K]  # row stride 2K
         s = torch.stack([s, s], dim=1)[:, 0]  # stride 2
     elif layout == "misaligned":
-        x = torch.cat([torch.zeros(1, dtype=dtype), x.flatten()])[1:].view(M, K)
-        w = torch.cat([torch.zeros(1, dtype=torch.int8), w.flatten()])[1:].view(N, K)
-    to = lambda t: None if t is None else t.to(DEVICE)
-    return to(x), to(w), to(s), to(b)
+        x = torch.cat([torch.zeros(1, dtype=dtype, device=DEVICE), x.flatten()])[1:].view(M, K)
+        w = torch.cat([torch.zeros(1, dtype=torch.int8, device=DEVICE), w.flatten()])[1:].view(N, K)
+    return x, w, s, b
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -57,7 +57,10 @@ def test_paths_match_reference(path, dtype, M, N, K):
 def test_strided_and_misaligned_inputs(layout, path):
     M, N, K = 7, 40, 96
     x, w, s, _ = make(M, N, K, torch.bfloat16, layout=layout, seed=3)
-    assert not (x.is_contiguous() and w.is_contiguous()) or layout == "misaligned"
+    if layout == "noncontiguous":
+        assert not x.is_contiguous() and not w.is_contiguous() and not s.is_contiguous()
+    else:
+        assert x.data_ptr() % 16 and w.data_ptr() % 16
     out = torch.full((M, N), float("nan"), device=DEVICE, dtype=torch.float32)
     k.w8a16_linear_triton(x, w, s, None, torch.float32, config=PATHS[path], out=out)
     ref = k.w8a16_linear_reference(x.cpu(), w.cpu(), s.cpu(), None, torch.float64)

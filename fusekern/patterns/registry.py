@@ -300,10 +300,12 @@ def _build_matcher_pass(p: Pattern):
         return True
 
     mpass = PatternMatcherPass(pass_name=f"fusekern:{p.name}")
+    # torch 2.11's register_replacement has no pattern_name; newer versions use it in logs.
+    named = {"pattern_name": p.name} if "pattern_name" in inspect.signature(register_replacement).parameters else {}
     for variant in p.variants():
         args = list(p.example_inputs(variant).values())
         register_replacement(
             p.search, p.replacement, args, trace, mpass,
-            extra_check=extra_check, skip_duplicates=True, pattern_name=p.name,
+            extra_check=extra_check, skip_duplicates=True, **named,
         )
     return mpass
