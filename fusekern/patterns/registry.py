@@ -230,10 +230,27 @@ def validate(p: Pattern) -> None:
                 f"pattern {p.name!r} [{variant.label()}]: replacement returns {tuple(got.shape)} {got.dtype}, "
                 f"search returns {tuple(want.shape)} {want.dtype}")
         try:
-            fwd_only(p.search, list(args.values()))
+            gm = fwd_only(p.search, list(args.values()))
         except Exception as e:
             raise PatternError(f"pattern {p.name!r} [{variant.label()}]: search function cannot be traced "
                                f"to an ATen graph: {type(e).__name__}: {e}") from e
+        if not _output_depends_on_inputs(gm.graph):
+            raise PatternError(f"pattern {p.name!r} [{variant.label()}]: search function cannot be traced: its "
+                               "traced output does not depend on its inputs (Python-side work such as .numpy(), "
+                               ".item() or .tolist() was baked in as a constant)")
+
+
+def _output_depends_on_inputs(graph: torch.fx.Graph) -> bool:
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    seen, stack = set(), list(output.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 # ----------------------------------------------------------------------------- lookup

@@ -1,0 +1,195 @@
+"""The backend by name, its options, pass chaining and cache keys; the registry's validation; the CLI."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusekern
+from fusekern.compiler_pass.options import FusekernOptions
+from fusekern.compiler_pass.pass_manager import FusekernGraphPass
+from fusekern.patterns.registry import all_patterns
+from fusekern.testing import assert_compiled, check_pattern
+
+
+def run_py(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_backend_by_name_in_a_fresh_process():
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "f = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s\n"
+        "x = torch.randn(3, 32, dtype=torch.bfloat16); w = torch.randint(-9, 9, (16, 32), dtype=torch.int8)\n"
+        "out = torch.compile(f, backend='fusekern')(x, w, torch.rand(16))\n"
+        "import fusekern; print(dict(fusekern.match_report().fired()))\n"
+    )
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "{'w8a16_linear_scale': 1}" in proc.stdout
+
+
+def test_import_is_cheap_and_traces_nothing():
+    code = (
+        "import time, sys, torch\n"
+        "t = time.perf_counter(); import fusekern; dt = time.perf_counter() - t\n"
+        "print(dt, 'torch._inductor.pattern_matcher' in sys.modules, 'fusekern.patterns.dequant_matmul' in sys.modules)\n"
+    )
+    proc = run_py(code)
+    dt, inductor, patterns = proc.stdout.split()
+    assert float(dt) < 1.0 and inductor == "False" and patterns == "False", proc.stdout
+
+
+def test_options_split_and_errors():
+    opts = FusekernOptions.parse({"fusekern.disable": "sampling", "max_autotune": True})
+    assert opts.disable == ("sampling",) and opts.inductor == {"max_autotune": True}
+    with pytest.raises(ValueError, match="unknown option 'fusekern.nope'"):
+        FusekernOptions.parse({"fusekern.nope": 1})
+    x = torch.randn(2, 8)
+    with pytest.raises(Exception, match="no pattern or family named 'nope'"):
+        torch.compile(lambda x: x + 1, backend="fusekern", options={"fusekern.enable": ["nope"]})(x)
+
+
+def test_mode_reaches_inductor(monkeypatch):
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+    real = cfx.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kw):
+        seen.update(config_patches or {})
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    torch.compile(lambda x: x * 2, backend="fusekern", mode="reduce-overhead")(torch.randn(4))
+    assert seen.get("triton.cudagraphs") is True
+    assert isinstance(seen.get("post_grad_custom_pre_pass"), FusekernGraphPass)
+
+
+def test_user_pass_is_chained_not_dropped():
+    calls = []
+
+    class UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(len(graph.nodes))
+
+        def uuid(self):
+            return "user-pass-1"
+
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    w = torch.randint(-9, 9, (16, 32), dtype=torch.int8)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=UserPass(), fx_graph_cache=False):
+        assert_compiled(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s, (x, w, torch.rand(16)),
+                        fired={"w8a16_linear_scale": 1})
+    assert calls, "the user's pass never ran"
+
+
+def test_uuid_follows_enabled_patterns_and_user_passes():
+    pats = all_patterns()
+    opts = FusekernOptions()
+    a = FusekernGraphPass("post_grad", pats, opts).uuid()
+    assert a and a == FusekernGraphPass("post_grad", pats, opts).uuid()
+    assert a != FusekernGraphPass("post_grad", pats[:-1], opts).uuid()
+    assert FusekernGraphPass("post_grad", pats, opts, chained=lambda g: None).uuid() is None
+
+
+# -- registry ----------------------------------------------------------------------------------
+
+SPEC = dict(x=fusekern.T("M", "K", dtype=torch.float32), w=fusekern.T("N", "K", dtype=torch.float32))
+
+
+def _mm(x, w):
+    return x @ w.t()
+
+
+def test_duplicate_name_rejected():
+    with pytest.raises(fusekern.PatternError, match="'w8a16_linear_scale'.*already registered"):
+        fusekern.register_pattern("w8a16_linear_scale", _mm, _mm, inputs=SPEC)
+
+
+def test_wrong_output_shape_or_dtype_rejected():
+    with pytest.raises(fusekern.PatternError, match="'bad_shape'.*replacement returns"):
+        fusekern.register_pattern("bad_shape", _mm, lambda x, w: (x @ w.t())[:, :1], inputs=SPEC)
+    with pytest.raises(fusekern.PatternError, match="'bad_dtype'.*replacement returns"):
+        fusekern.register_pattern("bad_dtype", _mm, lambda x, w: (x @ w.t()).double(), inputs=SPEC)
+
+
+def test_untraceable_search_rejected():
+    def search(x, w):
+        return torch.from_numpy((x @ w.t()).numpy())
+
+    with pytest.raises(fusekern.PatternError, match="'untraceable'.*cannot be traced"):
+        fusekern.register_pattern("untraceable", search, _mm, inputs=SPEC)
+
+
+def test_user_pattern_end_to_end():
+    name = "user_relu_scale"
+
+    def search(x, w, s):
+        return torch.relu(x @ w.t()) * s
+
+    def replacement(x, w, s):
+        return torch.clamp_min(torch.mm(x, w.t()), 0.0) * s
+
+    p = fusekern.register_pattern(name, search, replacement,
+                                  inputs=dict(SPEC, s=fusekern.T("N", dtype=torch.float32, positive=True)),
+                                  check=lambda v: None if v["s"].dim() == 1 else "s must be 1-D")
+    try:
+        check_pattern(p).assert_ok()
+        x, w, s = torch.randn(5, 12), torch.randn(7, 12), torch.rand(7)
+        assert_compiled(search, (x, w, s), fired={name: 1}, options={"fusekern.enable": [name]},
+                        gone=["aten.relu.default"], present=["aten.clamp_min.default"])
+        assert_compiled(search, (x, w, torch.rand(1, 7)), fired={}, options={"fusekern.enable": [name]})
+        assert any("s must be 1-D" in r.reason for r in fusekern.match_report().rejections())
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+def test_entry_point_group_is_loaded(monkeypatch):
+    import importlib.metadata as md
+
+    import fusekern.patterns.registry as reg
+
+    loaded = []
+
+    class EP:
+        name, value = "demo", "demo:register"
+
+        def load(self):
+            return lambda: loaded.append(True)
+
+    real = md.entry_points
+    monkeypatch.setattr(md, "entry_points", lambda group=None, **kw: [EP()] if group == reg.ENTRY_POINT_GROUP else real(group=group, **kw))
+    monkeypatch.setattr(reg, "_loaded", False)
+    reg.load_patterns()
+    assert loaded == [True]
+
+
+# -- harness -----------------------------------------------------------------------------------
+
+
+def test_harness_reports_worst_input_of_a_wrong_pattern():
+    name = "wrong_on_purpose"
+    p = fusekern.register_pattern(name, _mm, lambda x, w: x @ w.t() * 1.01, inputs=SPEC)
+    try:
+        r = check_pattern(p, draws=6)
+        assert not r.passed
+        with pytest.raises(AssertionError, match=r"FAIL wrong_on_purpose.*worst .*sizes=.*rel_err="):
+            r.assert_ok()
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+def test_every_builtin_pattern_is_equivalent():
+    for p in all_patterns():
+        check_pattern(p, draws=12).assert_ok()
+
+
+def test_cli_check_prints_a_table():
+    proc = subprocess.run([sys.executable, "-m", "fusekern", "check", "--device", "cpu", "--draws", "6"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "w8a16_linear_scale" in proc.stdout and " 0 failed" in proc.stdout
