@@ -16,6 +16,7 @@ from fusekern.testing import assert_compiled, check_pattern
 
 def run_py(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # a cache hit would skip the passes we look at
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
 
