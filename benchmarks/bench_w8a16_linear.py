@@ -8,7 +8,6 @@ Every timed variant is first checked against the float64 reference.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import subprocess
 
@@ -18,6 +17,7 @@ import triton
 import triton.testing
 
 import fusekern
+from bench_common import warm_up_clocks, write_csv
 from fusekern.kernels import w8a16_linear as k
 from fusekern.testing import rel_err
 
@@ -51,9 +51,7 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     gpu = torch.cuda.get_device_name()
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    triton.testing.do_bench(lambda: a @ a, warmup=200, rep=300)  # clocks up
-    del a
+    warm_up_clocks(dev)
     rows = []
     for nk in args.nk.split(","):
         N, K = map(int, nk.split("x"))
@@ -87,11 +85,7 @@ def main():
             print(f"   fusekern fired: {fired}")
             assert fired == {"w8a16_linear_scale": 1}, fired
     if args.csv:
-        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

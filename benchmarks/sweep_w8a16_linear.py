@@ -8,7 +8,6 @@ reference before it is timed; a wrong config is reported and never chosen.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 
@@ -16,11 +15,9 @@ import torch
 import triton
 import triton.testing
 
+from bench_common import warm_up_clocks, write_csv
 from fusekern.kernels import w8a16_linear as k
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+from fusekern.testing import rel_err
 
 
 def candidates(M):
@@ -48,9 +45,7 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     rows = []
-    # Bring the clocks up before the first timing (the card idles at a low SM clock).
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    triton.testing.do_bench(lambda: a @ a, warmup=200, rep=300)
+    warm_up_clocks(dev)
     for shape in args.shapes.split(","):
         M, N, K = map(int, shape.split("x"))
         torch.manual_seed(0)
@@ -84,10 +79,7 @@ def main():
         for r in top:
             print(f"   {r['us']:8.1f} {r['config']}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":
