@@ -14,6 +14,10 @@ DEFAULT_SM_COUNT = 132
 
 def sm_count(device: torch.device | str | int | None = None) -> int:
     """Number of SMs of a CUDA device (the current one by default), cached per device index."""
+    if isinstance(device, torch.device) and device.index is not None:  # the per-launch fast path
+        count = _sm_counts.get(device.index)
+        if count is not None and device.type == "cuda":
+            return count
     if not torch.cuda.is_available():
         return DEFAULT_SM_COUNT
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
