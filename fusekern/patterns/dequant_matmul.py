@@ -93,14 +93,9 @@ def check_scale_before(v) -> str | None:
 
 def _fused(x, w, s, b, out_dtype):
     n, k = w.shape
-    x2, s, b = x.reshape(-1, k), s.reshape(n), None if b is None else b.reshape(n)
-    if x.is_cuda and x.dtype in ACT and isinstance(x2.shape[0], int):
-        # M is fixed in this graph: pick the kernel now and let inductor emit its launches
-        # (no per-call Python dispatch, which at decode costs more than the kernel itself).
-        y = kernel.w8a16_linear_triton(x2, w, s, b, out_dtype, wrap=torch.library.wrap_triton)
-    else:
-        # Symbolic M (dispatch by M at run time) or CPU: the registered op.
-        y = torch.ops.fusekern.w8a16_linear(x2, w, s, b, out_dtype)
+    y = torch.ops.fusekern.w8a16_linear(
+        x.reshape(-1, k), w, s.reshape(n), None if b is None else b.reshape(n), out_dtype
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
