@@ -33,9 +33,39 @@ def test_compiled_on_cuda_skips_inductor_woq():
     def f(x, w, s):
         return F.linear(x, w.to(x.dtype)) * s
 
+    # Static M: the kernel launches themselves are in the graph, not an opaque op call.
     assert_compiled(f, (x, w, s), fired={"w8a16_linear_scale": 1},
-                    gone=["aten.mm.default", "aten._weight_int8pack_mm.default"],
-                    present=["fusekern.w8a16_linear.default"])
+                    gone=["aten.mm.default", "aten._weight_int8pack_mm.default", "fusekern.w8a16_linear.default"])
+
+
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_compiled_static_m_every_path(M):
+    """Static M on CUDA traces the launcher inline: each dispatch path, with bias, against eager."""
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-128, 128, (2048, 4096), device="cuda", dtype=torch.int8)
+    s = torch.rand(2048, device="cuda") * 0.01
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+
+    def f(x, w, s, b):
+        return F.linear(x, w.to(x.dtype)) * s + b
+
+    w0 = w.clone()
+    assert_compiled(f, (x, w, s, b), fired={"w8a16_linear_scale_bias": 1}, gone=["aten._weight_int8pack_mm.default"])
+    assert torch.equal(w, w0), "the compiled graph wrote to an input"
+
+
+def test_compiled_dynamic_m_uses_runtime_dispatch():
+    w = torch.randint(-128, 128, (2048, 4096), device="cuda", dtype=torch.int8)
+    s = torch.rand(2048, device="cuda", dtype=torch.bfloat16) * 0.01
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype)) * s
+
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.mark_dynamic(x, 0)
+    more = [(torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16), w, s) for m in (3, 40, 700)]
+    assert_compiled(f, (x, w, s), fired={"w8a16_linear_scale": 1}, present=["fusekern.w8a16_linear.default"],
+                    extra_args=more)
 
 
 def test_reduce_overhead_cuda_graphs():

@@ -275,12 +275,16 @@ def w8a16_linear_triton(
     *,
     config: SplitKConfig | GemmConfig | DequantConfig | None = None,
     out: torch.Tensor | None = None,
+    wrap=None,
 ) -> torch.Tensor:
     """Run the path that fits M (or the one ``config`` names).
 
     Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``. ``out`` (optional, [M, N]
     of out_dtype) receives the result: tests pass a NaN-poisoned buffer to prove every element is written.
+    ``wrap=torch.library.wrap_triton`` records the launches for inductor instead of running them; the
+    caller must trace this under ``torch.func.functionalize`` (see ``traced_for_inductor``).
     """
+    launch = wrap if wrap is not None else (lambda kernel: kernel)
     _check_args(x, w, scale, bias)
     if x.dtype not in SUPPORTED_ACT_DTYPES:
         raise TypeError(f"w8a16_linear_triton: x must be fp16 or bf16, got {x.dtype}")
@@ -293,7 +297,7 @@ def w8a16_linear_triton(
         config = select_config(M, N, K, sm_count(x.device))
     if isinstance(config, DequantConfig):
         # cuBLAS allocates its own result: copy only when the caller asked for a buffer.
-        result = _dequant_then_mm(x, w, scale, bias, out_dtype, config)
+        result = _dequant_then_mm(x, w, scale, bias, out_dtype, config, launch)
         return result if out is None else out.copy_(result)
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=out_dtype)
@@ -313,19 +317,19 @@ def w8a16_linear_triton(
         # With split-K the kernel writes fp32 partials; the epilogue kernel then writes `out`.
         dst = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32) if split_k > 1 else out
         grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, 16), split_k)
-        _w8a16_splitk_kernel[grid](
+        launch(_w8a16_splitk_kernel)[grid](
             x, w, scale, bias_arg, dst, M, N, K, *strides,
             SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **meta,
         )
         if split_k > 1:
             block = 1024
-            _splitk_epilogue_kernel[(triton.cdiv(M * N, block),)](
+            launch(_splitk_epilogue_kernel)[(triton.cdiv(M * N, block),)](
                 dst, scale, bias_arg, out, M, N, *strides[4:],
                 HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
             )
     else:
         grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N),)
-        _w8a16_gemm_kernel[grid](
+        launch(_w8a16_gemm_kernel)[grid](
             x, w, scale, bias_arg, out, M, N, K, *strides,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
             GROUP_M=config.GROUP_M, **meta,
@@ -333,12 +337,12 @@ def w8a16_linear_triton(
     return out
 
 
-def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig) -> torch.Tensor:
+def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig, launch) -> torch.Tensor:
     """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue)."""
     N, K = w.shape
     w_deq = torch.empty((N, K), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(K, config.BLOCK_K))
-    _dequant_kernel[grid](
+    launch(_dequant_kernel)[grid](
         w, scale, w_deq, N, K, w.stride(0), w.stride(1), scale.stride(0),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=4,
     )
@@ -348,6 +352,19 @@ def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig) -> tor
     if bias is not None:
         out = out.float() + bias.float()
     return out.to(out_dtype)
+
+
+def traced_for_inductor(x, w, scale, bias, out_dtype) -> torch.Tensor:
+    """For a replacement traced with a fixed M on CUDA: the launches as functional Triton HOPs.
+
+    Inductor then emits the launches in its own wrapper, with no per-call Python dispatch (at decode
+    that dispatch costs more than the kernel). Functionalization is required: traced as mutations of a
+    fresh buffer, the result would be the unwritten buffer and the launch dead code.
+    """
+    launch = functools.partial(w8a16_linear_triton, out_dtype=out_dtype, wrap=torch.library.wrap_triton)
+    if bias is None:
+        return torch.func.functionalize(lambda x, w, s: launch(x, w, s, None))(x, w, scale)
+    return torch.func.functionalize(launch)(x, w, scale, bias)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -93,9 +93,13 @@ def check_scale_before(v) -> str | None:
 
 def _fused(x, w, s, b, out_dtype):
     n, k = w.shape
-    y = torch.ops.fusekern.w8a16_linear(
-        x.reshape(-1, k), w, s.reshape(n), None if b is None else b.reshape(n), out_dtype
-    )
+    x2, s, b = x.reshape(-1, k), s.reshape(n), None if b is None else b.reshape(n)
+    if x.is_cuda and x.dtype in ACT and isinstance(x2.shape[0], int):
+        # M is fixed in this graph: choose the kernel now and let inductor emit its launches.
+        y = kernel.traced_for_inductor(x2, w, s, b, out_dtype)
+    else:
+        # Symbolic M (dispatch by M at run time) or CPU: the registered op.
+        y = torch.ops.fusekern.w8a16_linear(x2, w, s, b, out_dtype)
     return y.reshape(*x.shape[:-1], n)
 
 
