@@ -9,7 +9,16 @@ from fusekern.testing import assert_compiled
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
 GONE = ["aten.mm.default", "aten._weight_int8pack_mm.default", "aten.addmm.default"]
-FUSED = ["fusekern.w8a16_linear.default"]
+FUSED_OP = "fusekern.w8a16_linear.default"
+
+
+def assert_fused(result, static_m=True):
+    """CPU (or symbolic M): the registered op. CUDA with a fixed M: the Triton launches themselves."""
+    if DEVICE == "cuda" and static_m:
+        assert FUSED_OP not in result.targets, result.targets
+        assert any("triton_kernel_wrapper" in t for t in result.targets), result.targets
+    else:
+        assert FUSED_OP in result.targets, result.targets
 
 
 def inputs(M=5, N=48, K=64, dtype=BF16, lead=(), w_dtype=torch.int8, seed=0):
@@ -69,7 +78,7 @@ FORMS = [
 @pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
 def test_form_fires_and_matches(fn, pattern, nargs, lead):
     args = inputs(lead=lead)[:nargs]
-    assert_compiled(fn, args, fired={pattern: 1}, gone=GONE, present=FUSED)
+    assert_fused(assert_compiled(fn, args, fired={pattern: 1}, gone=GONE))
 
 
 XFAIL_3D_SYMBOLIC = pytest.mark.xfail(
