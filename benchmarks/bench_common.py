@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import subprocess
 
 import torch
 import triton.testing
@@ -20,3 +21,27 @@ def write_csv(path: str, rows: list[dict]) -> None:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
+
+
+def git_sha() -> str:
+    """The commit measured: $FUSEKERN_GIT_SHA (the device copy has no .git) or git's HEAD."""
+    if os.environ.get("FUSEKERN_GIT_SHA"):
+        return os.environ["FUSEKERN_GIT_SHA"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def versions() -> dict:
+    """GPU and library versions for every CSV row."""
+    import triton
+
+    try:
+        from importlib.metadata import version
+
+        cutlass_dsl = version("nvidia-cutlass-dsl")
+    except Exception:
+        cutlass_dsl = "absent"
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cutlass_dsl=cutlass_dsl, git_sha=git_sha())

@@ -8,8 +8,6 @@ Every timed variant is first checked against the float64 reference.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +15,7 @@ import triton
 import triton.testing
 
 import fusekern
-from bench_common import warm_up_clocks, write_csv
+from bench_common import git_sha, warm_up_clocks, write_csv
 from fusekern.kernels import w8a16_linear as k
 from fusekern.testing import rel_err
 
@@ -32,15 +30,6 @@ def w8a16(x, w, s):
 def floor_us(M, N, K):
     bytes_ = N * K + 2 * M * K + 2 * M * N + 4 * N
     return max(bytes_ / BW, 2 * M * N * K / BF16_TFLOPS) * 1e6
-
-
-def git_sha() -> str:
-    if os.environ.get("FUSEKERN_GIT_SHA"):
-        return os.environ["FUSEKERN_GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def main():

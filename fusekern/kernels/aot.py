@@ -1,8 +1,10 @@
-"""Compile Triton kernels for Hopper (sm_90) on a machine without a GPU, and read their resources.
+"""Compile Triton kernels for Hopper (sm_90a) on a machine without a GPU, and read their resources.
 
-``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` builds PTX and a cubin with no driver; Triton's
-bundled ``cuobjdump -res-usage`` then reports registers, stack, shared and local (spill) memory.
-CI uses this to prove every kernel compiles for the target and to watch for spills.
+``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` builds PTX and a cubin with no driver. Resources are
+read by running Triton's bundled ``ptxas -v`` on that PTX with the flags Triton itself uses: it reports
+registers, the stack frame and spill stores/loads. ``cuobjdump -res-usage`` shows the same registers and
+stack but no spill counts, and its LOCAL column stays 0 while a kernel spills (spills live in the stack
+frame), so it is not enough to prove "no spills". Shared memory is Triton's dynamic allocation (metadata).
 Run with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 """
 from __future__ import annotations
@@ -22,35 +24,90 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 @dataclass(frozen=True)
 class Resources:
-    registers: int
-    stack: int
-    shared: int
-    local: int  # spills land here
+    registers: int  # per thread
+    stack: int  # stack frame bytes per thread (spills live here)
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    shared: int  # bytes per block, static + dynamic
+    threads: int  # per block
+
+    @property
+    def local(self) -> int:
+        """Local memory per thread: the stack frame (spills and local arrays)."""
+        return self.stack
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.spill_stores > 0 or self.spill_loads > 0
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
-    """AOT-compile ``kernel`` (a triton.jit function) for sm_90; returns the CompiledKernel."""
-    sig = dict(signature)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    src = ASTSource(kernel, sig, constexprs=constexprs)
+def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    """AOT-compile ``kernel`` (a triton.jit function) for sm_90a, specialized as a launch would be.
+
+    ``args`` gives each runtime argument: a pointer as its type string (``"*bf16"``; assumed 16-byte
+    aligned, as torch allocations are) and an integer as a representative value. Like Triton's launcher,
+    an integer equal to 1 becomes a constant and one divisible by 16 gets a divisibility hint, so the
+    code (vector widths, registers) is the code that runs for such arguments.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_sm90 needs TRITON_INTERPRET unset (kernels were decorated for the interpreter)")
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name not in args:
+            raise ValueError(f"compile_sm90: no value for argument {name!r} of {kernel.__name__}")
+        value = args[name]
+        if isinstance(value, str):
+            signature[name] = value
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif value == 1:
+            signature[name] = "constexpr"
+            constants[name] = 1
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def cuobjdump_path() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_info(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
+    """Registers, stack frame, spill stores/loads and static shared memory that ``ptxas -v`` reports."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+        path = f.name
+    try:
+        proc = subprocess.run([_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={arch}", path, "-o", os.devnull],
+                              capture_output=True, text=True)
+    finally:
+        os.unlink(path)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{log}")
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    if "Used" not in log:
+        raise RuntimeError(f"cannot read resource usage from ptxas output:\n{log}")
+    return dict(
+        registers=num(r"Used (\d+) registers"),
+        stack=num(r"(\d+) bytes stack frame"),
+        spill_stores=num(r"(\d+) bytes spill stores"),
+        spill_loads=num(r"(\d+) bytes spill loads"),
+        shared=num(r"(\d+) bytes smem"),
+    )
 
 
 def resources(compiled) -> Resources:
-    """Registers, stack, shared and local memory of a compiled kernel, read from its cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-        path = f.name
-    try:
-        text = subprocess.run([cuobjdump_path(), "-res-usage", path], check=True, capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
-    if m is None:
-        raise RuntimeError(f"cannot read resource usage from cuobjdump output:\n{text}")
-    return Resources(*map(int, m.groups()))
+    """Resources of a kernel compiled by ``compile_sm90``."""
+    info = ptxas_info(compiled.asm["ptx"])
+    shared = max(info.pop("shared"), int(compiled.metadata.shared))
+    return Resources(**info, shared=shared, threads=32 * compiled.metadata.num_warps)

@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.remat import block_index, remat_flags
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "w8a16_linear-2"
+KERNEL_VERSION = "w8a16_linear-3"
 
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -45,6 +46,7 @@ class SplitKConfig:
     num_warps: int
     num_stages: int
     SPLIT_K: int = 1  # > 1: fp32 partial sums to a workspace, then _splitk_epilogue_kernel
+    remat: str = "off"  # rematerialization hints: off | epilogue | full (fusekern.kernels.remat)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class GemmConfig:
     GROUP_M: int
     num_warps: int
     num_stages: int
+    remat: str = "off"  # rematerialization hints: off | epilogue | full (fusekern.kernels.remat)
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,16 @@ def select_config(M: int, N: int, K: int, sm_count: int = 132) -> SplitKConfig |
         # Measured: with column tiles of 64 for at least 3/4 of the SMs (128 tiles at N=8192) the plain
         # tiled kernel (BLOCK_M=16) was best (34.8 us at 1x8192x8192); with fewer tiles the SMs starve
         # and split-K wins (32.5 us against 46 us at 1x4096x14336, 64 tiles).
+        # Rematerialization hints were measured slower here (30.6 / 12.8 us full against 29.8 / 12.1 off,
+        # benchmarks/results/h200/remat.csv): both small-M kernels ship with them off.
         if 4 * triton.cdiv(N, 64) >= 3 * sm_count:
-            return GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4)
+            return GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4, remat="off")
         tiles = triton.cdiv(N, 32)
         split_k = max(1, min(4, (2 * sm_count) // max(tiles, 1), triton.cdiv(K, 256)))
-        return SplitKConfig(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5, SPLIT_K=split_k)
+        return SplitKConfig(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5, SPLIT_K=split_k, remat="off")
     if M <= GEMM_M_MAX:
-        return GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        # Rematerialization: "full" measured 77.1 us against 78.5 us off at 64x8192x8192, same registers.
+        return GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, remat="full")
     return DequantConfig()
 
 
@@ -103,6 +109,8 @@ def _w8a16_splitk_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    REMAT_EPILOGUE: tl.constexpr,
+    REMAT_LOOP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -115,16 +123,20 @@ def _w8a16_splitk_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
     # Clamp out-of-range rows instead of masking every load: the stores are masked.
-    offs_n_ld = tl.where(n_mask, offs_n, 0)
-    offs_m_ld = tl.where(m_mask, offs_m, 0)
-    w_ptrs = w_ptr + offs_n_ld[:, None] * stride_wn + (k_begin * BLOCK_K + offs_k[None, :]) * stride_wk
-    x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + (k_begin * BLOCK_K + offs_k[None, :]) * stride_xk
+    offs_n_ld = tl.where(offs_n < N, offs_n, 0)
+    offs_m_ld = tl.where(offs_m < M, offs_m, 0)
+    # REMAT_LOOP: the loop carries loop-invariant 32-bit tile offsets and a scalar k; otherwise pointer tensors.
+    w_offs = offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    x_offs = offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + w_offs + k_begin * BLOCK_K * stride_wk
+    x_ptrs = x_ptr + x_offs + k_begin * BLOCK_K * stride_xk
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_begin, k_end):
+        if REMAT_LOOP:
+            w_ptrs = w_ptr + k * BLOCK_K * stride_wk + w_offs
+            x_ptrs = x_ptr + k * BLOCK_K * stride_xk + x_offs
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
@@ -134,13 +146,21 @@ def _w8a16_splitk_kernel(
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         # Transposed problem: out.T[BLOCK_N, BLOCK_M] = w[BLOCK_N, K] @ x.T[K, BLOCK_M].
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-        w_ptrs += BLOCK_K * stride_wk
-        x_ptrs += BLOCK_K * stride_xk
+        if not REMAT_LOOP:
+            w_ptrs += BLOCK_K * stride_wk
+            x_ptrs += BLOCK_K * stride_xk
 
+    if REMAT_EPILOGUE:  # epilogue offsets from a fresh read of the block index, not held across the loop
+        offs_n = block_index(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = block_index(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
     if SPLIT_K > 1:
-        ws_ptrs = out_ptr + tl.program_id(2) * M * N + offs_n[:, None] + offs_m[None, :] * N
+        split = block_index(2) if REMAT_EPILOGUE else tl.program_id(2)
+        ws_ptrs = out_ptr + split * M * N + offs_n[:, None] + offs_m[None, :] * N
         tl.store(ws_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
     else:
+        offs_n_ld = tl.where(n_mask, offs_n, 0)
         out = acc * tl.load(scale_ptr + offs_n_ld * stride_s).to(tl.float32)[:, None]
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n_ld * stride_b).to(tl.float32)[:, None]
@@ -172,6 +192,20 @@ def _splitk_epilogue_kernel(
 
 
 @triton.jit
+def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row-tiles share each column tile of w while it sits in L2.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _w8a16_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K,
@@ -182,28 +216,26 @@ def _w8a16_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    REMAT_EPILOGUE: tl.constexpr,
+    REMAT_LOOP: tl.constexpr,
 ):
-    # Grouped ordering: GROUP_M row-tiles share each column tile of w while it sits in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m_ld = tl.where(offs_m < M, offs_m, 0)
     offs_n_ld = tl.where(offs_n < N, offs_n, 0)
-    x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    w_ptrs = w_ptr + offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    # REMAT_LOOP: the loop carries loop-invariant 32-bit tile offsets and a scalar k; otherwise pointer tensors.
+    x_offs = offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_offs = offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    x_ptrs = x_ptr + x_offs
+    w_ptrs = w_ptr + w_offs
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if REMAT_LOOP:
+            x_ptrs = x_ptr + k * BLOCK_K * stride_xk + x_offs
+            w_ptrs = w_ptr + k * BLOCK_K * stride_wk + w_offs
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -212,12 +244,14 @@ def _w8a16_gemm_kernel(
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
             w = tl.load(w_ptrs, mask=k_mask, other=0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        if not REMAT_LOOP:
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue: offsets are recomputed from the program id rather than kept live over the loop.
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if REMAT_EPILOGUE:  # epilogue offsets from a fresh read of the block index, not held across the loop
+        pid_m, pid_n = _tile_coords(block_index(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     m_mask = offs_m < M
     scale = tl.load(scale_ptr + offs_n * stride_s, mask=n_mask, other=0.0).to(tl.float32)
@@ -310,7 +344,7 @@ def w8a16_linear_triton(
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         scale.stride(0), bias_arg.stride(0), out.stride(0), out.stride(1),
     )
-    meta = dict(HAS_BIAS=bias is not None, EVEN_K=K % config.BLOCK_K == 0,
+    meta = dict(HAS_BIAS=bias is not None, EVEN_K=K % config.BLOCK_K == 0, **remat_flags(config.remat),
                 num_warps=config.num_warps, num_stages=config.num_stages)
     if isinstance(config, SplitKConfig):
         split_k = max(1, min(config.SPLIT_K, triton.cdiv(K, config.BLOCK_K)))
@@ -365,6 +399,58 @@ def traced_for_inductor(x, w, scale, bias, out_dtype) -> torch.Tensor:
     if bias is None:
         return torch.func.functionalize(lambda x, w, s: launch(x, w, s, None))(x, w, scale)
     return torch.func.functionalize(launch)(x, w, scale, bias)
+
+
+# ----------------------------------------------------------------------------- builds for the report
+
+# The shapes the configs are chosen for (Llama-style layers; issue 4's benchmark shapes).
+REPORT_SHAPES = ((8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+REPORT_MS = (1, 16, 64, 256, 2048)
+
+
+def aot_builds():
+    """Every config ``select_config`` picks for the report shapes, bf16 activations, with bias.
+
+    Each is specialized for the first (M, N, K) that picks it, contiguous tensors. Loop kernels are listed
+    with K a multiple of BLOCK_K and with K 64 short of it (the masked tail): both variants run.
+    """
+    from fusekern.kernels.catalog import TritonBuild
+
+    picked = {}
+    for n, k in REPORT_SHAPES:
+        for m in REPORT_MS:
+            picked.setdefault(select_config(m, n, k), (m, n, k))
+    builds = []
+    for cfg, (M, N, K) in picked.items():
+        if isinstance(cfg, DequantConfig):
+            args = dict(w_ptr="*i8", scale_ptr="*fp32", out_ptr="*bf16", N=N, K=K, stride_wn=K, stride_wk=1, stride_s=1)
+            builds.append(TritonBuild("w8a16_dequant", f"BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} w4", _dequant_kernel,
+                                      args, dict(BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K), num_warps=4))
+            continue
+        split_k = cfg.SPLIT_K if isinstance(cfg, SplitKConfig) else 1
+        for even_k in (True, False):
+            k_ = K if even_k else K - 64
+            args = dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16",
+                        out_ptr="*fp32" if split_k > 1 else "*bf16",  # split-K writes fp32 partials
+                        M=M, N=N, K=k_, stride_xm=k_, stride_xk=1, stride_wn=k_, stride_wk=1, stride_s=1,
+                        stride_b=1, stride_om=N, stride_on=1)
+            common = dict(HAS_BIAS=True, EVEN_K=even_k, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+            label = f"BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} w{cfg.num_warps} s{cfg.num_stages}"
+            label += f" [{M}x{N}x{k_}]"
+            if isinstance(cfg, SplitKConfig):
+                builds.append(TritonBuild(
+                    "w8a16_splitk", f"BLOCK_M=16 {label} SPLIT_K={split_k}", _w8a16_splitk_kernel, args,
+                    dict(common, SPLIT_K=split_k, BLOCK_M=16), cfg.num_warps, cfg.num_stages, cfg.remat))
+            else:
+                builds.append(TritonBuild(
+                    "w8a16_gemm", f"BLOCK_M={cfg.BLOCK_M} {label}", _w8a16_gemm_kernel, args,
+                    dict(common, BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M), cfg.num_warps, cfg.num_stages, cfg.remat))
+        if split_k > 1:
+            args = dict(ws_ptr="*fp32", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", M=M, N=N,
+                        stride_s=1, stride_b=1, stride_om=N, stride_on=1)
+            builds.append(TritonBuild("w8a16_splitk_epilogue", f"SPLIT_K={split_k} BLOCK=1024 w4", _splitk_epilogue_kernel,
+                                      args, dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=1024), num_warps=4))
+    return builds
 
 
 # ----------------------------------------------------------------------------- reference
