@@ -82,7 +82,7 @@ def select_config(M: int, N: int, K: int, sm_count: int = 132) -> SplitKConfig |
         # Measured: with column tiles of 64 for at least 3/4 of the SMs (128 tiles at N=8192) the plain
         # tiled kernel (BLOCK_M=16) was best (34.8 us at 1x8192x8192); with fewer tiles the SMs starve
         # and split-K wins (32.5 us against 46 us at 1x4096x14336, 64 tiles).
-        # Rematerialization hints were measured slower here (30.6 / 12.8 us full against 29.8 / 12.1 off,
+        # Rematerialization hints were measured slower here (30.6 / 13.1 us full against 29.6 / 12.6 off,
         # benchmarks/results/h200/remat.csv): both small-M kernels ship with them off.
         if 4 * triton.cdiv(N, 64) >= 3 * sm_count:
             return GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4, remat="off")
@@ -90,7 +90,8 @@ def select_config(M: int, N: int, K: int, sm_count: int = 132) -> SplitKConfig |
         split_k = max(1, min(4, (2 * sm_count) // max(tiles, 1), triton.cdiv(K, 256)))
         return SplitKConfig(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5, SPLIT_K=split_k, remat="off")
     if M <= GEMM_M_MAX:
-        # Rematerialization: "full" measured 77.1 us against 78.5 us off at 64x8192x8192, same registers.
+        # Rematerialization: "full" measured 78.6 us against 80.2 us off at 64x8192x8192, same registers
+        # (benchmarks/results/h200/remat.csv; with a masked K tail it was 0.6% slower).
         return GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, remat="full")
     return DequantConfig()
 
