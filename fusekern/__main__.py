@@ -8,7 +8,7 @@ import sys
 def _check(args) -> int:
     import torch
 
-    from fusekern.patterns.registry import all_patterns
+    from fusekern.patterns.registry import GraphRewrite, all_patterns
     from fusekern.testing import check_pattern
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -19,6 +19,12 @@ def _check(args) -> int:
     print(f"{'pattern':<34} {'family':<15} {'cases':>5} {'declined':>8} {'worst err':>10} {'tol':>8}  result")
     failed = []
     for p in patterns:
+        if isinstance(p, GraphRewrite):
+            # Random outputs cannot be compared elementwise: its own tests prove it (exact with injected
+            # noise, chi-square on frequencies). Listed so nobody mistakes it for checked here.
+            print(f"{p.name:<34} {p.family:<15} {'-':>5} {'-':>8} {'-':>10} {'-':>8}  structural rewrite: "
+                  f"see tests/test_{p.family}_*.py", flush=True)
+            continue
         r = check_pattern(p, device=device, draws=args.draws, seed=args.seed)
         w = r.worst
         print(f"{p.name:<34} {p.family:<15} {len(r.cases):>5} {r.declined:>8} "
@@ -28,7 +34,8 @@ def _check(args) -> int:
             failed.append(r)
     for r in failed:
         print(f"\n{r}")
-    print(f"\n{len(patterns) - len(failed)} passed, {len(failed)} failed (device {device})")
+    checked = [p for p in patterns if not isinstance(p, GraphRewrite)]
+    print(f"\n{len(checked) - len(failed)} passed, {len(failed)} failed (device {device})")
     return 1 if failed else 0
 
 

@@ -80,3 +80,47 @@ def test_reduce_overhead_cuda_graphs():
     for _ in range(3):
         out = compiled(x, w, s)
     assert rel_err(out, k.w8a16_linear_reference(x, w, s, None, torch.float32)) < 1e-2
+
+
+# -- sampler -----------------------------------------------------------------------------------------
+
+
+def _gpt_fast(logits, temperature: float = 0.8, top_k: int = 50):
+    logits = logits / max(temperature, 1e-5)
+    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+    logits = torch.where(logits < v.select(-1, -1).unsqueeze(-1), -float("Inf"), logits)
+    probs = F.softmax(logits, dim=-1)
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.int)
+
+
+@pytest.mark.parametrize("B", [1, 32, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampler_at_vocab_size_with_injected_noise(B, dtype):
+    from fusekern.kernels import sampler as S
+
+    V = 128256
+    logits = (torch.randn(B, V, device="cuda") * 4).to(dtype)
+    q = torch.empty(B, V, device="cuda").exponential_(1)
+    out = torch.full((B,), -1, dtype=torch.int64, device="cuda")
+    S.sample_top_k_triton(logits, 0.7, 50, torch.tensor([9], device="cuda"), noise=q, out=out)
+    assert out.tolist() == S.sample_top_k_reference(logits, 0.7, 50, q).tolist()
+
+
+def test_sampler_under_cuda_graphs_draws_fresh_numbers_and_reproduces_by_seed():
+    import fusekern
+
+    torch._dynamo.reset()
+    fusekern.reset_match_report()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        f = torch.compile(lambda x: _gpt_fast(x, 1.0, 1000), backend="fusekern", mode="reduce-overhead")
+        logits = torch.zeros(64, 1000, device="cuda")  # flat: every draw depends on the noise
+        with torch.no_grad():
+            outs = [f(logits).clone() for _ in range(4)]  # warm-up, record, replays
+            torch.manual_seed(5)
+            a = f(logits).clone()
+            torch.manual_seed(5)
+            b = f(logits).clone()
+    assert dict(fusekern.match_report().fired()) == {"sample_top_k": 1}
+    assert not torch.equal(outs[2], outs[3]), "a CUDA-graph replay repeated the previous draws"
+    assert torch.equal(a, b), "torch.manual_seed did not reproduce the draws"

@@ -45,7 +45,7 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
     """AOT-compile ``kernel`` (a triton.jit function) for sm_90a, specialized as a launch would be.
 
     ``args`` gives each runtime argument: a pointer as its type string (``"*bf16"``; assumed 16-byte
-    aligned, as torch allocations are) and an integer as a representative value. Like Triton's launcher,
+    aligned, as torch allocations are), a float scalar as a float, an integer as a representative value. Like Triton's launcher,
     an integer equal to 1 becomes a constant and one divisible by 16 gets a divisibility hint, so the
     code (vector widths, registers) is the code that runs for such arguments.
     """
@@ -59,7 +59,9 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
         if name not in args:
             raise ValueError(f"compile_sm90: no value for argument {name!r} of {kernel.__name__}")
         value = args[name]
-        if isinstance(value, str):
+        if isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, str):
             signature[name] = value
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif value == 1:

@@ -27,7 +27,7 @@ log = logging.getLogger("fusekern")
 
 FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
 STAGES = ("post_grad", "joint")
-BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul",)
+BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul", "fusekern.patterns.sampling")
 ENTRY_POINT_GROUP = "fusekern.patterns"
 
 # Relative-error tolerances (||out - ref|| / ||ref||) by the least precise float dtype a computation
@@ -124,6 +124,55 @@ class Pattern:
         return str(verdict)
 
 
+@dataclass(eq=False)
+class GraphRewrite:
+    """A structural rewrite: a function that finds its subgraphs in an FX graph and replaces them.
+
+    For forms one traced search function cannot express: sampling chains hold random ops (their
+    outputs cannot be compared elementwise) and Python constants (temperature, top-k) that must match
+    any value. ``rewrite(graph)`` applies every match, records refusals with
+    ``fusekern.compiler_pass.report.record_rejection`` and returns how many it replaced. Its
+    equivalence is proven by the family's own tests (exact with injected noise, and statistical).
+    """
+
+    name: str
+    rewrite: Callable[[torch.fx.Graph], int]
+    family: str = "user"
+    stage: str = "joint"
+    kernel_version: str = ""
+    description: str = ""
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The code of the rewrite's whole module (its matchers and replacement builders) and identity."""
+        h = hashlib.sha256()
+        module = inspect.getmodule(self.rewrite)
+        h.update((_source_of(module) if module is not None else _source_of(self.rewrite)).encode())
+        h.update(repr((self.name, self.stage, self.kernel_version)).encode())
+        return h.hexdigest()[:16]
+
+    def matcher_pass(self):
+        return self
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        return self.rewrite(graph)
+
+
+def register_rewrite(name: str, rewrite: Callable[[torch.fx.Graph], int], *, family: str = "user",
+                     stage: str = "joint", kernel_version: str = "", description: str = "") -> GraphRewrite:
+    """Register a structural rewrite (see GraphRewrite); names share one namespace with patterns."""
+    r = GraphRewrite(name, rewrite, family, stage, kernel_version, description)
+    if r.family not in FAMILIES:
+        raise PatternError(f"rewrite {name!r}: family must be one of {FAMILIES}, got {family!r}")
+    if r.stage not in STAGES:
+        raise PatternError(f"rewrite {name!r}: stage must be one of {STAGES}, got {stage!r}")
+    with _registry_lock:
+        if name in _patterns:
+            raise PatternError(f"rewrite {name!r}: a pattern of that name is already registered")
+        _patterns[name] = r
+    return r
+
+
 def _source_of(fn) -> str:
     if fn is None:
         return ""
@@ -136,7 +185,7 @@ def _source_of(fn) -> str:
 
 # ----------------------------------------------------------------------------- registry state
 
-_patterns: dict[str, Pattern] = {}
+_patterns: dict[str, "Pattern | GraphRewrite"] = {}
 _registry_lock = threading.RLock()
 _loaded = False
 

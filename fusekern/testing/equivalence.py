@@ -93,6 +93,9 @@ def check_pattern(
 ) -> CheckResult:
     """Compare replacement against a float64 run of the search function on random inputs."""
     p = get_pattern(pattern) if isinstance(pattern, str) else pattern
+    if not isinstance(p, Pattern):
+        raise TypeError(f"check_pattern: {p.name!r} is a structural rewrite, not a search/replacement pattern; "
+                        "its equivalence is proven by its family's tests")
     rng = random.Random(seed)
     variants = p.variants()
     result = CheckResult(p.name, device)
