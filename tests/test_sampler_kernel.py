@@ -28,9 +28,10 @@ def exp_noise(B, V, seed=1):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,V,block,chunks", [(3, 1000, 256, None), (5, 4099, 512, 3), (1, 777, 128, 7)])
+@pytest.mark.parametrize("B,V,block,capacity", [(3, 300, 128, None), (5, 1100, 256, None), (1, 777, 128, 16)])
 @pytest.mark.parametrize("top_k", [1, 7, 50, "V+5", "per_row"])
-def test_matches_reference_with_injected_noise(dtype, B, V, block, chunks, top_k):
+def test_matches_reference_with_injected_noise(dtype, B, V, block, capacity, top_k):
+    """capacity=16 forces most rows onto the slow path (candidate list overflow)."""
     logits = make_logits(B, V, dtype, seed=V + B)
     q = exp_noise(B, V, seed=V)
     if top_k == "V+5":
@@ -39,18 +40,18 @@ def test_matches_reference_with_injected_noise(dtype, B, V, block, chunks, top_k
         top_k = torch.tensor([1, 3, 40, V, 9][:B], dtype=torch.int32, device=DEVICE)
     temperature = torch.linspace(0.5, 1.5, B, device=DEVICE) if B > 1 else 0.8
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
-    S.sample_top_k_triton(logits, temperature, top_k, seed_tensor(), noise=q, out=out, block=block, chunks=chunks)
+    S.sample_top_k_triton(logits, temperature, top_k, seed_tensor(), noise=q, out=out, block=block, capacity=capacity)
     ref = S.sample_top_k_reference(logits, temperature, top_k, q)
     assert out.cpu().tolist() == ref.tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_top_k_1_is_argmax(dtype):
-    B, V = 4, 3001
+    B, V = 4, 701
     logits = make_logits(B, V, dtype, seed=2)
-    logits[torch.arange(B), torch.tensor([5, 3000, 1700, 0])] = 100.0  # a unique maximum per row
+    logits[torch.arange(B), torch.tensor([5, 700, 370, 0])] = 100.0  # a unique maximum per row
     out = S.sample_top_k_triton(logits, 0.7, 1, seed_tensor(), block=256)
-    assert out.cpu().tolist() == [5, 3000, 1700, 0]
+    assert out.cpu().tolist() == [5, 700, 370, 0]
 
 
 def test_ties_at_the_pivot_are_kept():
@@ -67,7 +68,7 @@ def test_ties_at_the_pivot_are_kept():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_tokens_are_never_sampled(dtype):
-    B, V, k = 64, 300, 5
+    B, V, k = 16, 120, 5
     logits = make_logits(1, V, dtype, seed=9, scale=0.5).expand(B, V).contiguous()  # flat: masks matter
     out = S.sample_top_k_triton(logits, 1.0, k, seed_tensor(7), block=128).cpu()
     x = logits[0].float().cpu()
@@ -99,11 +100,19 @@ def test_frequencies_match_the_distribution():
     assert chi2 < 22.46, chi2  # 99.9% quantile of chi-square with 5 degrees of freedom
 
 
+def test_slow_path_samples_what_the_fast_path_samples():
+    """Both paths draw the same Philox uniform per (row, token): the same seed gives the same tokens."""
+    logits = make_logits(8, 600, torch.bfloat16, seed=6, scale=0.5)
+    fast = S.sample_top_k_triton(logits, 0.9, 30, seed_tensor(11), block=256)
+    slow = S.sample_top_k_triton(logits, 0.9, 30, seed_tensor(11), block=256, capacity=8)
+    assert torch.equal(fast, slow)
+
+
 def test_seed_reproduces_and_changes_the_draws():
-    logits = make_logits(16, 500, torch.bfloat16, seed=4, scale=0.3)
-    a = S.sample_top_k_triton(logits, 1.0, 100, seed_tensor(1), block=128)
-    b = S.sample_top_k_triton(logits, 1.0, 100, seed_tensor(1), block=128)
-    c = S.sample_top_k_triton(logits, 1.0, 100, seed_tensor(2), block=128)
+    logits = make_logits(8, 200, torch.bfloat16, seed=4, scale=0.3)
+    a = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(1), block=128)
+    b = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(1), block=128)
+    c = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(2), block=128)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 
@@ -157,6 +166,12 @@ def test_strided_rows():
     q = exp_noise(3, 333, seed=8)
     out = S.sample_top_k_triton(logits, 1.3, 20, seed_tensor(), noise=q, block=64)
     assert out.cpu().tolist() == S.sample_top_k_reference(logits, 1.3, 20, q).tolist()
+
+
+def test_size_heuristics():
+    assert S.sample_size(128256) == 4096 and S.sample_size(300) == 512
+    assert S.candidate_capacity(128256, 50) == 4096  # 2 x 50 x 31.3 expected candidates, a power of 2
+    assert S.candidate_capacity(300, 5) == 512  # never more than the vocabulary needs
 
 
 def test_chunks_heuristic():

@@ -147,8 +147,9 @@ def test_nan_and_inf_rows_give_token_0_like_the_original():
 
 
 def test_changing_temperature_and_top_k_adds_no_recompile():
-    """Dynamo makes the Python temperature and top-k dynamic after they change; fusekern must then
-    fire on the dynamic graph and not guard on their values (stock inductor recompiles as often)."""
+    """Dynamo makes the Python temperature and top-k dynamic after they change (torch 2.13: 3 graphs for
+    these calls; torch 2.11 still guards on the temperature's value: 5). fusekern must fire in every
+    graph and add no guard of its own: as many graphs as stock inductor."""
     calls = [(0.8, 50), (0.9, 50), (1.1, 40), (0.5, 30), (0.6, 20)]
     x = torch.randn(4, 1000, device=DEVICE)
     graphs = {}
@@ -161,8 +162,8 @@ def test_changing_temperature_and_top_k_adds_no_recompile():
             for t, k in calls:
                 f(x, t, k)
         graphs[backend] = counters["stats"]["unique_graphs"]
-    assert graphs["fusekern"] == graphs["inductor"] == 3
-    assert fired() == {"sample_top_k": 3}  # every compiled graph, including the dynamic ones
+    assert graphs["fusekern"] == graphs["inductor"] <= 5
+    assert fired() == {"sample_top_k": graphs["fusekern"]}  # every compiled graph, including the dynamic ones
 
 
 def test_dynamic_batch_one_compile():

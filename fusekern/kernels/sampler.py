@@ -1,19 +1,21 @@
-"""Fused top-k sampler: temperature -> top-k mask -> softmax -> exponential race, in a few passes.
+"""Fused top-k sampler: temperature -> top-k mask -> softmax -> exponential race, in three launches.
 
 ``tokens[b] = argmax_i over kept i of p_i / q_i`` with ``p = softmax(x)``, ``q ~ Exp(1)`` and
 ``x = (logits[b] / T[b])`` rounded to the logits' dtype (as the graph being replaced computes it);
 kept: ``x_i >= v_k``, the k-th largest ``x`` of the row (ties kept, as ``torch.where(x < pivot, -inf, x)``).
 
-No sort. The k-th largest value is found by a radix select over an order-preserving integer key of x
-(16 bits for bf16/fp16, 32 for fp32), one byte per pass: pass p builds a 256-bin histogram of the
-p-th byte of the keys that share the prefix the earlier passes fixed. Each pass is one launch over
-(rows x chunks) so a single row still spreads over many SMs; each CTA writes its own partial histogram
-(no atomics, no zeroing), and the next pass sums the partials of its row. The race pass then draws
-Philox uniforms per (row, token), forms the Gumbel score ``x - log(-log u)`` (the race ``p/q`` in the log
-domain: softmax's normalizer does not change the argmax) for kept tokens, and each chunk writes its best
-(score, index) packed into one int64; a last small kernel picks the row's best chunk.
+No sort of the row, and one read of it:
+1. ``_threshold_kernel`` (a CTA per row): the k-th largest of a strided sample of 4096 logits, t0. The
+   sample is a subset of the row, so t0 <= v_k: every kept token has x >= t0.
+2. ``_collect_kernel`` (several CTAs per row): streams the row once and appends the index of every
+   token with x >= t0 to the row's candidate list (about k * V / 4096 of them), one atomic each.
+3. ``_finish_kernel`` (a CTA per row): sorts the candidates' keys to get v_k exactly, draws a Philox
+   uniform per kept candidate and takes the best Gumbel score ``x - log(-log u)`` (the race ``p / q`` in
+   the log domain: softmax's normalizer does not change the argmax). A row whose candidates overflow
+   the list takes an exact slow path over its row in the same kernel (radix select, then the race).
+Comparisons use an order-preserving integer key of x (16 bits for bf16/fp16, 32 for fp32).
 
-Read top to bottom: heuristics -> Triton kernels -> launcher -> reference -> custom op.
+Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> reference -> custom op.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ from fusekern.kernels.device_info import sm_count
 KERNEL_VERSION = "sampler-1"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BINS = 256  # one byte of the key per pass
 
 
 # ----------------------------------------------------------------------------- heuristics
+
+SAMPLE = 4096  # strided sample of a row used to bound the k-th largest from below
+MIN_KEY = -(2**31)  # below every key: "select everything"
 
 
 def chunks_per_row(B: int, V: int, sms: int, block: int) -> int:
@@ -37,30 +41,35 @@ def chunks_per_row(B: int, V: int, sms: int, block: int) -> int:
     return max(1, min(triton.cdiv(V, block), triton.cdiv(2 * sms, B)))
 
 
+def sample_size(V: int) -> int:
+    return min(SAMPLE, triton.next_power_of_2(V))
+
+
+def candidate_capacity(V: int, top_k: int | None) -> int:
+    """Candidate slots per row: about 2x the expected number of candidates (k * V / sample size), at
+    most 8192 (the finish kernel sorts them in one CTA) and no more than the vocabulary needs."""
+    expected = (top_k if top_k is not None else 64) * V / sample_size(V)
+    return int(min(max(triton.next_power_of_2(int(2 * expected)), 1024), 8192, triton.next_power_of_2(V)))
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _f32_key(x):
-    """Order-preserving unsigned key of fp32 values, as int64 in [0, 2**32)."""
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    return tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-
-
-@triton.jit
 def _scaled(logits_ptr, row, offs, mask, stride_row, temperature):
-    """x = logits / T rounded to the logits' dtype (as fp32), and its order-preserving key.
+    """x = logits / T rounded to the logits' dtype (as fp32), and an order-preserving int32 key of x.
 
-    Keys are 16 bits for bf16/fp16 and 32 for fp32; -0 is made +0 first so that equal floats get
-    equal keys (torch compares -0 == +0).
+    Keys: [0, 65536) for bf16/fp16, signed for fp32 (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``); -0 is made
+    +0 first so that equal floats get equal keys (torch compares -0 == +0).
     """
     raw = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=0.0)
-    rounded = (raw.to(tl.float32) / temperature).to(raw.dtype)
+    rounded = tl.div_rn(raw.to(tl.float32), temperature).to(raw.dtype)  # IEEE division, as torch divides
     x = tl.where(rounded == 0.0, 0.0, rounded.to(tl.float32))
     if raw.dtype == tl.float32:
-        key = _f32_key(x)
+        bits = x.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     else:
-        bits = x.to(raw.dtype).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+        bits = x.to(raw.dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         key = tl.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
     return x, key
 
@@ -78,94 +87,130 @@ def _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row,
 
 
 @triton.jit
-def _walk(hist_ptr, row, k, B, C, PASS: tl.constexpr):
-    """The key prefix fixed by passes < PASS and the rank of the k-th largest inside that prefix.
-
-    hist_ptr: [PASSES, B, C, BINS] int32 partial histograms.
-    """
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), dtype=tl.int64)
-    rank = k
-    for p in tl.static_range(PASS):
-        h = tl.zeros((256,), dtype=tl.int32)
-        base = hist_ptr + ((p * B + row) * C) * 256
-        for c in range(0, C):
-            h += tl.load(base + c * 256 + bins)
-        at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
-        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-        rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = prefix * 256 + digit
-    return prefix, rank
-
-
-@triton.jit(do_not_specialize=["top_k"])  # a new top-k value must not compile a new variant
-def _histogram_pass_kernel(
-    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, hist_ptr,
-    B, V, C, span, stride_row,
-    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr,
-    KEY_BITS: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
-                                 TEMP_PER_ROW, K_PER_ROW)
-    prefix, rank = _walk(hist_ptr, row, k, B, C, PASS)
-    SHIFT: tl.constexpr = KEY_BITS - 8 * (PASS + 1)
-    h = tl.zeros((256,), dtype=tl.int32)
-    start = chunk * span
-    for off in range(start, tl.minimum(start + span, V), BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        mask = (offs < V) & (offs < start + span)
-        _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-        sel = mask & ((key >> (SHIFT + 8)) == prefix)
-        h += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=sel)
-    tl.store(hist_ptr + ((PASS * B + row) * C + chunk) * 256 + tl.arange(0, 256), h)
-
-
-@triton.jit(do_not_specialize=["top_k"])
-def _race_pass_kernel(
-    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, seed_ptr, noise_ptr, hist_ptr, best_ptr,
-    B, V, C, span, stride_row,
-    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr,
-    PASSES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
-                                 TEMP_PER_ROW, K_PER_ROW)
-    pivot, _ = _walk(hist_ptr, row, k, B, C, PASSES)  # the full key of the k-th largest x
-    seed = tl.load(seed_ptr)
-    best = tl.full((), -1, dtype=tl.int64)
-    nan_seen = tl.zeros((), dtype=tl.int32)
-    start = chunk * span
-    for off in range(start, tl.minimum(start + span, V), BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        mask = (offs < V) & (offs < start + span)
-        x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-        nan_seen += tl.sum((mask & ((x != x) | (x == float("inf")))).to(tl.int32), axis=0)
-        kept = mask & (key >= pivot)
-        if tl.sum(kept.to(tl.int32), axis=0) > 0:  # top-k leaves most blocks without a candidate
-            if HAS_NOISE:  # test mode: the caller's exponential draws q [B, V]
-                q = tl.load(noise_ptr + row.to(tl.int64) * V + offs, mask=kept, other=1.0)
-            else:
-                q = -tl.log(tl.rand(seed, row.to(tl.int64) * V + offs))
-            score = x - tl.log(q)  # argmax p/q with q ~ Exp(1), in the log domain (a Gumbel race)
-            # Pack (order-preserving 31-bit score key, inverted index): max picks the best score, then
-            # the smallest index (argmax's tie rule).
-            skey = _f32_key(score) >> 1
-            packed = (skey << 32) | (0xFFFFFFFF - offs.to(tl.int64))
-            best = tl.maximum(best, tl.max(tl.where(kept, packed, -1), axis=0))
-    # A NaN or +inf anywhere makes the original softmax all-NaN (inf - inf, NaN sum) and its argmax token 0.
-    best = tl.where(nan_seen > 0, 0x7FFFFFFFFFFFFFFF, best)
-    tl.store(best_ptr + row * C + chunk, best)
+def _gumbel_score(x, seed, row, offs, V, noise_ptr, mask, HAS_NOISE: tl.constexpr):
+    """log(p / q) up to a per-row constant, q ~ Exp(1) drawn per (row, token): the exponential race."""
+    if HAS_NOISE:  # test mode: the caller's exponential draws q [B, V]
+        q = tl.load(noise_ptr + row.to(tl.int64) * V + offs, mask=mask, other=1.0)
+    else:
+        q = -tl.log(tl.rand(seed, row.to(tl.int64) * V + offs))
+    return x - tl.log(q)
 
 
 @triton.jit
-def _pick_kernel(best_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+def _pack(score, offs):
+    """(score, index) as one int64 whose max is the best score, then the smallest index (argmax's rule)."""
+    bits = score.to(tl.int32, bitcast=True)
+    skey = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2**31  # order-preserving, in [0, 2**32)
+    return ((skey >> 1) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["top_k"])  # a new top-k value must not compile a new variant
+def _threshold_kernel(
+    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
+    thr_ptr, count_ptr, flag_ptr, V, stride_row, step,
+    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, SAMPLE: tl.constexpr,
+):
+    """t0 = the k-th largest key of a strided sample of the row: a lower bound of the row's k-th largest."""
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_C)
-    best = tl.max(tl.load(best_ptr + row * C + offs, mask=offs < C, other=-1), axis=0)
-    token = tl.where(best == 0x7FFFFFFFFFFFFFFF, 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
+                                 TEMP_PER_ROW, K_PER_ROW)
+    j = tl.arange(0, SAMPLE)
+    offs = j * step
+    mask = offs < V
+    _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+    ranked = tl.sort(tl.where(mask, key, -2147483648), descending=True)
+    t0 = tl.sum(tl.where(j == k - 1, ranked, 0), axis=0)
+    t0 = tl.where(k <= tl.sum(mask.to(tl.int32), axis=0), t0, -2147483648)
+    tl.store(thr_ptr + row, t0)
+    tl.store(count_ptr + row, 0)
+    tl.store(flag_ptr + row, 0)
+
+
+@triton.jit
+def _collect_kernel(
+    logits_ptr, temp_ptr, temperature, stride_t, thr_ptr, count_ptr, flag_ptr, cand_ptr,
+    V, span, stride_row, CAP,
+    TEMP_PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Append the index of every token with key >= t0 to the row's candidate list (one atomic per
+    candidate: candidates are a few thousand of 128k), and flag rows holding NaN or +inf."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if TEMP_PER_ROW:
+        temperature = tl.load(temp_ptr + row * stride_t).to(tl.float32)
+    t0 = tl.load(thr_ptr + row)
+    bad = tl.zeros((BLOCK,), dtype=tl.int1)
+    start = chunk * span
+    for off in range(start, tl.minimum(start + span, V), BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < V
+        x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+        bad |= mask & ((x != x) | (x == float("inf")))
+        sel = mask & (key >= t0)
+        slot = tl.atomic_add(count_ptr + row + offs * 0, 1, mask=sel, sem="relaxed")
+        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, offs, mask=sel & (slot < CAP))
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(flag_ptr + row, 1, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def _finish_kernel(
+    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
+    seed_ptr, noise_ptr, count_ptr, flag_ptr, cand_ptr, out_ptr, V, stride_row, CAP,
+    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, HAS_NOISE: tl.constexpr,
+    CAP_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The exact k-th largest among the candidates, then the race among the kept ones; one row per CTA.
+
+    A row whose candidates overflowed the list (flat logits, top-k near V, no top-k at all) takes the
+    exact slow path over its whole row instead: a radix select, one key byte per pass, then the race.
+    Both paths draw the same uniform for a token (Philox at row * V + token), so they sample the same.
+    """
+    row = tl.program_id(0)
+    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
+                                 TEMP_PER_ROW, K_PER_ROW)
+    seed = tl.load(seed_ptr)
+    count = tl.load(count_ptr + row)
+    best = tl.full((), -1, dtype=tl.int64)
+    if count <= CAP:
+        j = tl.arange(0, CAP_BLOCK)
+        valid = j < count
+        offs = tl.load(cand_ptr + row.to(tl.int64) * CAP + j, mask=valid, other=0)
+        x, key = _scaled(logits_ptr, row, offs, valid, stride_row, temperature)
+        key = tl.where(valid, key, -2147483648)
+        pivot = tl.sum(tl.where(j == k - 1, tl.sort(key, descending=True), 0), axis=0)
+        kept = valid & (key >= pivot)
+        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
+        best = tl.max(tl.where(kept, _pack(score, offs), -1), axis=0)
+    else:
+        # Slow path: radix select over unsigned keys (key + 2**31 for fp32), one byte per pass.
+        bins = tl.arange(0, 256)
+        prefix = tl.zeros((), dtype=tl.int64)
+        rank = k
+        for p in tl.static_range(KEY_BITS // 8):
+            SHIFT: tl.constexpr = KEY_BITS - 8 * (p + 1)
+            h = tl.zeros((256,), dtype=tl.int32)
+            for off in range(0, V, BLOCK):
+                offs = off + tl.arange(0, BLOCK)
+                mask = offs < V
+                _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+                ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
+                sel = mask & ((ukey >> (SHIFT + 8)) == prefix)
+                h += tl.histogram(((ukey >> SHIFT) & 255).to(tl.int32), 256, mask=sel)
+            at_or_above = tl.cumsum(h, axis=0, reverse=True)
+            digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+            rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+            prefix = prefix * 256 + digit
+        pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
+        for off in range(0, V, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            mask = offs < V
+            x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+            kept = mask & (key.to(tl.int64) >= pivot)
+            score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
+            best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
+    # A NaN or +inf anywhere makes the original softmax all-NaN (inf - inf, NaN sum) and its argmax token 0.
+    token = tl.where(tl.load(flag_ptr + row) != 0, 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.store(out_ptr + row, token)
 
 
@@ -200,16 +245,17 @@ def sample_top_k_triton(
     noise: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block: int = 2048,
-    chunks: int | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
-    ``temperature`` > 0 and ``top_k`` (clamped to [1, V]) are numbers or per-row tensors of B values
+    ``temperature`` > 0 and ``top_k`` (clamped to [1, V]) are numbers or tensors of 1 or B values
     (numbers are kernel arguments: changing them neither recompiles nor launches a fill); ``seed`` is an
     int64 tensor of one element (draw it from torch's generator: ``torch.randint`` reproduces under
     ``torch.manual_seed`` and advances on every CUDA-graph replay). Runs on CUDA, and on CPU under
     TRITON_INTERPRET=1. ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so the
-    result can be compared exactly with the reference given the same draws.
+    result can be compared exactly with the reference given the same draws. ``capacity``: candidate
+    slots per row (tests force the slow path with a small one).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample_top_k: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -226,29 +272,31 @@ def sample_top_k_triton(
         return out
     if V == 0:
         raise ValueError("sample_top_k: cannot sample from an empty vocabulary (V == 0)")
+    if V >= 2**31 // 2:
+        raise ValueError(f"sample_top_k: V = {V} is too large for 32-bit token offsets")
+    if noise is not None and (noise.shape != (B, V) or noise.dtype != torch.float32 or not noise.is_contiguous()):
+        raise ValueError(f"sample_top_k: noise must be contiguous float32 {(B, V)}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     temp, stride_t, t_scalar = _row_arg(temperature, B, logits.device, "temperature", float)
     topk, stride_k, k_scalar = _row_arg(top_k, B, logits.device, "top_k", lambda k: int(min(max(k, 1), 2**31 - 1)))
-    key_bits = 32 if logits.dtype == torch.float32 else 16
-    passes = key_bits // 8
-    C = chunks or chunks_per_row(B, V, sm_count(logits.device), block)
+    cap = capacity or candidate_capacity(V, None if topk is not None else k_scalar)
+    C = chunks_per_row(B, V, sm_count(logits.device), block)
     span = triton.cdiv(triton.cdiv(V, C), block) * block
     C = triton.cdiv(V, span)
-    hist = torch.empty((passes, B, C, BINS), dtype=torch.int32, device=logits.device)
-    best = torch.empty((B, C), dtype=torch.int64, device=logits.device)
-    params = (logits, temp if temp is not None else logits, t_scalar, stride_t,
-              topk if topk is not None else logits, k_scalar, stride_k)
-    flags = dict(TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None)
-    common = (B, V, C, span, logits.stride(0))
-    if noise is not None and (noise.shape != (B, V) or noise.dtype != torch.float32 or not noise.is_contiguous()):
-        raise ValueError(f"sample_top_k: noise must be contiguous float32 {(B, V)}")
-    for p in range(passes):
-        _histogram_pass_kernel[(B, C)](*params, hist, *common, **flags, KEY_BITS=key_bits, PASS=p,
-                                        BLOCK=block, num_warps=8)
-    _race_pass_kernel[(B, C)](*params, seed, noise if noise is not None else hist, hist, best, *common, **flags,
-                              PASSES=passes, HAS_NOISE=noise is not None, BLOCK=block, num_warps=8)
-    _pick_kernel[(B,)](best, out, C, BLOCK_C=triton.next_power_of_2(C), num_warps=1)
+    ints = torch.empty((3, B), dtype=torch.int32, device=logits.device)  # threshold, count, flag per row
+    cand = torch.empty((B, cap), dtype=torch.int32, device=logits.device)
+    temp_arg = (temp if temp is not None else logits, t_scalar, stride_t)
+    k_arg = (topk if topk is not None else logits, k_scalar, stride_k)
+    _threshold_kernel[(B,)](logits, *temp_arg, *k_arg, ints[0], ints[1], ints[2], V, logits.stride(0),
+                            max(1, V // sample_size(V)), TEMP_PER_ROW=temp is not None,
+                            K_PER_ROW=topk is not None, SAMPLE=sample_size(V), num_warps=8)
+    _collect_kernel[(B, C)](logits, *temp_arg, ints[0], ints[1], ints[2], cand, V, span, logits.stride(0), cap,
+                            TEMP_PER_ROW=temp is not None, BLOCK=block, num_warps=8)
+    _finish_kernel[(B,)](logits, *temp_arg, *k_arg, seed, noise if noise is not None else cand, ints[1], ints[2],
+                         cand, out, V, logits.stride(0), cap, TEMP_PER_ROW=temp is not None,
+                         K_PER_ROW=topk is not None, HAS_NOISE=noise is not None, CAP_BLOCK=triton.next_power_of_2(cap),
+                         KEY_BITS=32 if logits.dtype == torch.float32 else 16, BLOCK=block, num_warps=8)
     return out
 
 
@@ -256,32 +304,32 @@ def sample_top_k_triton(
 
 
 def aot_builds():
-    """Every sampler kernel at V = 128256 for bf16 and fp32 logits, B = 1 (63 chunks per row), scalar
-    temperature and top-k. The kernels loop over blocks with only scalars live across the loop: they
-    have no rematerialization modes."""
+    """The sampler's kernels at V = 128256, B = 1, top-k 50, scalar temperature, bf16 and fp32 logits.
+    Their loops carry only scalars across iterations: they have no rematerialization modes."""
     from fusekern.kernels.catalog import TritonBuild
 
-    B, V, block = 1, 128256, 2048
+    B, V, block, k = 1, 128256, 2048, 50
     C = chunks_per_row(B, V, 132, block)
     span = triton.cdiv(triton.cdiv(V, C), block) * block
-    C = triton.cdiv(V, span)
+    cap = candidate_capacity(V, k)
     builds = []
     for dtype, key_bits in (("bf16", 16), ("fp32", 32)):
-        params = dict(logits_ptr=f"*{dtype}", temp_ptr=f"*{dtype}", temperature=0.8, stride_t=0,
-                      topk_ptr=f"*{dtype}", top_k=50, stride_k=0)
-        common = dict(B=B, V=V, C=C, span=span, stride_row=V)
-        flags = dict(TEMP_PER_ROW=False, K_PER_ROW=False, BLOCK=block)
-        for p in range(key_bits // 8):
-            builds.append(TritonBuild(
-                "sampler_histogram", f"{dtype} PASS={p} BLOCK={block} w8", _histogram_pass_kernel,
-                dict(params, hist_ptr="*i32", **common), dict(flags, KEY_BITS=key_bits, PASS=p), num_warps=8))
+        temp = dict(logits_ptr=f"*{dtype}", temp_ptr=f"*{dtype}", temperature=0.8, stride_t=0)
+        topk = dict(topk_ptr=f"*{dtype}", top_k=k, stride_k=0)
+        rows = dict(count_ptr="*i32", flag_ptr="*i32", V=V, stride_row=V)
         builds.append(TritonBuild(
-            "sampler_race", f"{dtype} PASSES={key_bits // 8} BLOCK={block} w8", _race_pass_kernel,
-            dict(params, seed_ptr="*i64", noise_ptr="*i32", hist_ptr="*i32", best_ptr="*i64", **common),
-            dict(flags, PASSES=key_bits // 8, HAS_NOISE=False), num_warps=8))
-    builds.append(TritonBuild("sampler_pick", f"BLOCK_C={triton.next_power_of_2(C)} w1", _pick_kernel,
-                              dict(best_ptr="*i64", out_ptr="*i64", C=C),
-                              dict(BLOCK_C=triton.next_power_of_2(C)), num_warps=1))
+            "sampler_threshold", f"{dtype} SAMPLE={SAMPLE} w8", _threshold_kernel,
+            dict(temp, **topk, thr_ptr="*i32", **rows, step=V // SAMPLE),
+            dict(TEMP_PER_ROW=False, K_PER_ROW=False, SAMPLE=SAMPLE), num_warps=8))
+        builds.append(TritonBuild(
+            "sampler_collect", f"{dtype} BLOCK={block} w8", _collect_kernel,
+            dict(temp, thr_ptr="*i32", cand_ptr="*i32", span=span, CAP=cap, **rows),
+            dict(TEMP_PER_ROW=False, BLOCK=block), num_warps=8))
+        builds.append(TritonBuild(
+            "sampler_finish", f"{dtype} CAP={cap} BLOCK={block} w8", _finish_kernel,
+            dict(temp, **topk, seed_ptr="*i64", noise_ptr="*i32", cand_ptr="*i32", out_ptr="*i64", CAP=cap, **rows),
+            dict(TEMP_PER_ROW=False, K_PER_ROW=False, HAS_NOISE=False, CAP_BLOCK=cap, KEY_BITS=key_bits,
+                 BLOCK=block), num_warps=8))
     return builds
 
 
