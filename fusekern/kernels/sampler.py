@@ -153,6 +153,55 @@ def _collect_kernel(
         tl.atomic_max(flag_ptr + row, 1, sem="relaxed")
 
 
+@triton.jit
+def _race_candidates(logits_ptr, row, temperature, k, seed, noise_ptr, cand_ptr, count, V, stride_row, CAP,
+                     HAS_NOISE: tl.constexpr, CAP_BLOCK: tl.constexpr):
+    """Fast path: v_k is the k-th largest key among the candidates; the race runs over them only."""
+    j = tl.arange(0, CAP_BLOCK)
+    valid = j < count
+    offs = tl.load(cand_ptr + row.to(tl.int64) * CAP + j, mask=valid, other=0)
+    x, key = _scaled(logits_ptr, row, offs, valid, stride_row, temperature)
+    key = tl.where(valid, key, -2147483648)
+    pivot = tl.sum(tl.where(j == k - 1, tl.sort(key, descending=True), 0), axis=0)
+    kept = valid & (key >= pivot)
+    score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
+    return tl.max(tl.where(kept, _pack(score, offs), -1), axis=0)
+
+
+@triton.jit
+def _race_row(logits_ptr, row, temperature, k, seed, noise_ptr, V, stride_row,
+              HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Slow path: radix select of v_k over unsigned keys (key + 2**31 for fp32), one byte per pass over
+    the whole row, then the race over the row."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), dtype=tl.int64)
+    rank = k
+    for p in tl.static_range(KEY_BITS // 8):
+        shift = KEY_BITS - 8 * (p + 1)
+        h = tl.zeros((256,), dtype=tl.int32)
+        for off in range(0, V, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            mask = offs < V
+            _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+            ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
+            sel = mask & ((ukey >> (shift + 8)) == prefix)
+            h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
+        at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
+        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+        rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+        prefix = prefix * 256 + digit
+    pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
+    best = tl.full((), -1, dtype=tl.int64)
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < V
+        x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
+        kept = mask & (key.to(tl.int64) >= pivot)
+        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
+        best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
+    return best
+
+
 @triton.jit(do_not_specialize=["top_k"])
 def _finish_kernel(
     logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
@@ -171,44 +220,11 @@ def _finish_kernel(
                                  TEMP_PER_ROW, K_PER_ROW)
     seed = tl.load(seed_ptr)
     count = tl.load(count_ptr + row)
-    best = tl.full((), -1, dtype=tl.int64)
     if count <= CAP:
-        j = tl.arange(0, CAP_BLOCK)
-        valid = j < count
-        offs = tl.load(cand_ptr + row.to(tl.int64) * CAP + j, mask=valid, other=0)
-        x, key = _scaled(logits_ptr, row, offs, valid, stride_row, temperature)
-        key = tl.where(valid, key, -2147483648)
-        pivot = tl.sum(tl.where(j == k - 1, tl.sort(key, descending=True), 0), axis=0)
-        kept = valid & (key >= pivot)
-        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
-        best = tl.max(tl.where(kept, _pack(score, offs), -1), axis=0)
+        best = _race_candidates(logits_ptr, row, temperature, k, seed, noise_ptr, cand_ptr, count, V, stride_row,
+                                CAP, HAS_NOISE, CAP_BLOCK)
     else:
-        # Slow path: radix select over unsigned keys (key + 2**31 for fp32), one byte per pass.
-        bins = tl.arange(0, 256)
-        prefix = tl.zeros((), dtype=tl.int64)
-        rank = k
-        for p in tl.static_range(KEY_BITS // 8):
-            SHIFT: tl.constexpr = KEY_BITS - 8 * (p + 1)
-            h = tl.zeros((256,), dtype=tl.int32)
-            for off in range(0, V, BLOCK):
-                offs = off + tl.arange(0, BLOCK)
-                mask = offs < V
-                _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-                ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
-                sel = mask & ((ukey >> (SHIFT + 8)) == prefix)
-                h += tl.histogram(((ukey >> SHIFT) & 255).to(tl.int32), 256, mask=sel)
-            at_or_above = tl.cumsum(h, axis=0, reverse=True)
-            digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-            rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-            prefix = prefix * 256 + digit
-        pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
-        for off in range(0, V, BLOCK):
-            offs = off + tl.arange(0, BLOCK)
-            mask = offs < V
-            x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-            kept = mask & (key.to(tl.int64) >= pivot)
-            score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
-            best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
+        best = _race_row(logits_ptr, row, temperature, k, seed, noise_ptr, V, stride_row, HAS_NOISE, KEY_BITS, BLOCK)
     # A NaN or +inf anywhere makes the original softmax all-NaN (inf - inf, NaN sum) and its argmax token 0.
     token = tl.where(tl.load(flag_ptr + row) != 0, 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.store(out_ptr + row, token)
