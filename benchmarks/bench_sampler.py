@@ -12,25 +12,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 
 import fusekern
 from bench_common import versions, warm_up_clocks, write_csv
 from fusekern.kernels import sampler as S
+from fusekern.testing.sampling_chains import gpt_fast
 
 BW = 4.3e12
 V = 128256
-
-
-def gpt_fast(logits, temperature: float = 0.8, top_k: int = 50):
-    logits = logits / max(temperature, 1e-5)
-    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-    pivot = v.select(-1, -1).unsqueeze(-1)
-    logits = torch.where(logits < pivot, -float("Inf"), logits)
-    probs = F.softmax(logits, dim=-1)
-    q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.int)
 
 
 def in_top_k(logits, tokens, temperature=0.8, k=50) -> bool:

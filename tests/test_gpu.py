@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from fusekern.kernels import w8a16_linear as k
 from fusekern.testing import assert_compiled, rel_err
+from fusekern.testing.sampling_chains import gpt_fast
 
 pytestmark = pytest.mark.gpu
 
@@ -85,15 +86,6 @@ def test_reduce_overhead_cuda_graphs():
 # -- sampler -----------------------------------------------------------------------------------------
 
 
-def _gpt_fast(logits, temperature: float = 0.8, top_k: int = 50):
-    logits = logits / max(temperature, 1e-5)
-    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-    logits = torch.where(logits < v.select(-1, -1).unsqueeze(-1), -float("Inf"), logits)
-    probs = F.softmax(logits, dim=-1)
-    q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.int)
-
-
 @pytest.mark.parametrize("B", [1, 32, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sampler_at_vocab_size_with_injected_noise(B, dtype):
@@ -113,7 +105,7 @@ def test_sampler_under_cuda_graphs_draws_fresh_numbers_and_reproduces_by_seed():
     torch._dynamo.reset()
     fusekern.reset_match_report()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        f = torch.compile(lambda x: _gpt_fast(x, 1.0, 1000), backend="fusekern", mode="reduce-overhead")
+        f = torch.compile(lambda x: gpt_fast(x, 1.0, 1000), backend="fusekern", mode="reduce-overhead")
         logits = torch.zeros(64, 1000, device="cuda")  # flat: every draw depends on the noise
         with torch.no_grad():
             outs = [f(logits).clone() for _ in range(4)]  # warm-up, record, replays

@@ -6,9 +6,9 @@ On CPU the op runs its PyTorch implementation; the Triton kernel is covered by t
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fusekern
+from fusekern.testing import sampling_chains as chains
 from torch._dynamo.utils import counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,13 +25,7 @@ def _no_compile_caches():
 
 
 def gpt_fast(logits, temperature: float = 0.8, top_k: int = 5):
-    logits = logits / max(temperature, 1e-5)
-    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-    pivot = v.select(-1, -1).unsqueeze(-1)
-    logits = torch.where(logits < pivot, -float("Inf"), logits)
-    probs = F.softmax(logits, dim=-1)
-    q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.int)
+    return chains.gpt_fast(logits, temperature, top_k)
 
 
 def gpt_fast_batch1(logits):  # gpt-fast's sample(): logits[0, -1] is one row, 1-D
@@ -49,11 +43,7 @@ def temperature_only(logits):
 
 
 def hf_top_k(scores):
-    scores = scores / 0.9
-    indices_to_remove = scores < torch.topk(scores, 6)[0][..., -1, None]
-    scores = scores.masked_fill(indices_to_remove, -float("inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs / -torch.log(torch.rand_like(probs))).argmax(dim=-1)
+    return chains.hf_top_k(scores, 0.9, 6)
 
 
 # (function, temperature, top_k) of each chain, for the exact distribution
