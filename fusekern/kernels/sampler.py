@@ -9,7 +9,7 @@ No sort of the row, and one read of it:
    select in registers: one 256-bin histogram per key byte). The
    sample is a subset of the row, so t0 <= v_k: every kept token has x >= t0.
 2. ``_collect_kernel`` (several CTAs per row): streams the row once and appends the index of every
-   token with x >= t0 to the row's candidate list (about k * V / 4096 of them), one atomic each.
+   token with x >= t0 to the row's candidate list (about k * V / 4096 of them).
 3. ``_finish_kernel`` (a CTA per row): radix-selects v_k exactly among the candidates, draws a Philox
    uniform per kept candidate and takes the best Gumbel score ``x - log(-log u)`` (the race ``p / q`` in
    the log domain: softmax's normalizer does not change the argmax). A row whose candidates overflow
@@ -152,8 +152,9 @@ def _collect_kernel(
     V, span, stride_row, CAP,
     TEMP_PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Append the index of every token with key >= t0 to the row's candidate list (one atomic per
-    candidate: candidates are a few thousand of 128k), and flag rows holding NaN or +inf."""
+    """Append the index of every token with key >= t0 to the row's candidate list (one atomic per block
+    reserves its slots: an atomic per candidate measured 3x slower at B = 256), and flag rows holding
+    NaN or +inf."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if TEMP_PER_ROW:
@@ -166,9 +167,12 @@ def _collect_kernel(
         mask = offs < V
         x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
         bad |= mask & ((x != x) | (x == float("inf")))
-        sel = mask & (key >= t0)
-        slot = tl.atomic_add(count_ptr + row + offs * 0, 1, mask=sel, sem="relaxed")
-        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, offs, mask=sel & (slot < CAP))
+        sel = (mask & (key >= t0)).to(tl.int32)
+        n = tl.sum(sel, axis=0)
+        if n > 0:  # reserve n slots with one atomic, place the block's candidates by a prefix sum
+            base = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+            slot = base + tl.cumsum(sel, axis=0) - 1
+            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, offs, mask=(sel != 0) & (slot < CAP))
     if tl.max(bad.to(tl.int32), axis=0) > 0:
         tl.atomic_max(flag_ptr + row, 1, sem="relaxed")
 
