@@ -39,7 +39,7 @@ def main():
             "threshold": lambda: S._threshold_kernel[(B,)](logits, *temp, *topk, ints[0], ints[1], ints[2], V, V, V // n,
                                                             TEMP_PER_ROW=False, K_PER_ROW=False, SAMPLE=n, KEY_BITS=16, num_warps=8),
             "collect": lambda: S._collect_kernel[(B, C)](logits, *temp, ints[0], ints[1], ints[2], cand, V, span, V, cap,
-                                                          TEMP_PER_ROW=False, BLOCK=block, num_warps=8),
+                                                          TEMP_PER_ROW=False, BLOCK_SLOTS=S.block_slots(B), BLOCK=block, num_warps=8),
             "finish": lambda: S._finish_kernel[(B,)](logits, *temp, *topk, seed, cand, ints[1], ints[2], cand, out, V, V,
                                                       cap, TEMP_PER_ROW=False, K_PER_ROW=False, HAS_NOISE=False,
                                                       CAP_BLOCK=cap, KEY_BITS=16, BLOCK=block, num_warps=8),

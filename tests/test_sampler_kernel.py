@@ -100,6 +100,14 @@ def test_frequencies_match_the_distribution():
     assert chi2 < 22.46, chi2  # 99.9% quantile of chi-square with 5 degrees of freedom
 
 
+def test_both_slot_reservations_sample_the_same(monkeypatch):
+    logits = make_logits(40, 700, torch.bfloat16, seed=12, scale=0.5)
+    a = S.sample_top_k_triton(logits, 0.9, 25, seed_tensor(4), block=128)  # B = 40: one atomic per candidate
+    monkeypatch.setattr(S, "block_slots", lambda B: True)
+    b = S.sample_top_k_triton(logits, 0.9, 25, seed_tensor(4), block=128)
+    assert torch.equal(a, b)
+
+
 def test_slow_path_samples_what_the_fast_path_samples():
     """Both paths draw the same Philox uniform per (row, token): the same seed gives the same tokens."""
     logits = make_logits(8, 600, torch.bfloat16, seed=6, scale=0.5)

@@ -79,13 +79,23 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _ptxas() -> str:
+    """The ptxas Triton itself uses for sm_90 (Triton 3.9 ships two and needs the newer one for its PTX)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(SM90.arch).path
+    except (ImportError, AttributeError, TypeError):
+        return _tool("ptxas")
+
+
 def ptxas_info(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
     """Registers, stack frame, spill stores/loads and static shared memory that ``ptxas -v`` reports."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
         path = f.name
     try:
-        proc = subprocess.run([_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={arch}", path, "-o", os.devnull],
+        proc = subprocess.run([_ptxas(), "-lineinfo", "-v", f"--gpu-name={arch}", path, "-o", os.devnull],
                               capture_output=True, text=True)
     finally:
         os.unlink(path)
