@@ -46,12 +46,27 @@ def hf_top_k(scores):
     return chains.hf_top_k(scores, 0.9, 6)
 
 
+def hf_multinomial(scores):  # HF's TemperatureLogitsWarper + TopKLogitsWarper, then torch.multinomial
+    scores = scores / 0.9
+    indices_to_remove = scores < torch.topk(scores, 6)[0][..., -1, None]
+    scores = scores.masked_fill(indices_to_remove, -float("inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+def per_row_temperature(logits):  # one temperature per row, as serving stacks batch requests
+    temperature = torch.full((logits.shape[0],), 0.8, device=logits.device, dtype=logits.dtype)
+    return chains.gpt_fast_tensor_temperature(logits, temperature[:, None], 5)
+
+
 # (function, temperature, top_k) of each chain, for the exact distribution
 FORMS = {
     "gpt_fast": (gpt_fast, 0.8, 5),
     "top_k_only": (top_k_only, 1.0, 4),
     "temperature_only": (temperature_only, 0.7, None),
     "hf_top_k": (hf_top_k, 0.9, 6),
+    "hf_multinomial": (hf_multinomial, 0.9, 6),
+    "per_row_temperature": (per_row_temperature, 0.8, 5),
 }
 
 
@@ -219,6 +234,28 @@ def test_near_misses_stay_as_written(fn, reason):
     f = compiled(fn)
     with torch.no_grad():
         f(*args)
+    report = fusekern.match_report()
+    assert fired() == {}
+    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample_top_k"]
+    assert any(reason in r for r in reasons), reasons
+
+
+def fp32_temperature(logits):  # bf16 logits / fp32 [B, 1] temperatures promote x to fp32
+    return chains.gpt_fast_tensor_temperature(logits, torch.full((logits.shape[0], 1), 0.8, device=logits.device), 5)
+
+
+def two_samples(logits):
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=2)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (fp32_temperature, "promotes them"),
+    (two_samples, "draws 2 samples"),
+])
+def test_near_misses_bf16_stay_as_written(fn, reason):
+    f = compiled(fn)
+    with torch.no_grad():
+        f(torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16))
     report = fusekern.match_report()
     assert fired() == {}
     reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample_top_k"]

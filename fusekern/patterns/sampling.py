@@ -1,22 +1,25 @@
 """Sampling family: decode-step sampling chains -> one fused sampler (``fusekern::sample_top_k``).
 
 Matched in the joint graph (before inductor turns ``rand`` into its own random ops), where the
-chains are already decomposed. The rewrite starts at every ``argmax`` and walks up:
+chains are already decomposed. The rewrite starts at every ``argmax`` and ``multinomial`` and walks up:
 
     argmax(P / Q, dim=-1)                      the exponential race (gpt-fast, vLLM's ``probs.div_(q)``)
       Q: exponential noise                     ``empty_like(p).exponential_(l)`` or ``-log(rand)``
          (any rate l: scaling every q by one constant does not change the argmax)
+    or multinomial(P, 1)                       Hugging Face's sampling step (same distribution)
       P: softmax(z, dim=-1)                    amax / sub / exp / sum / div, with or without fp32 casts
       z: where(x < pivot, -inf, x)             top-k mask, pivot = topk(x, k).values[..., -1:]
          (``torch.where`` and ``masked_fill`` forms), or z = x (no top-k)
-      x: logits / T                            T a Python number (or absent: T = 1)
+      x: logits / T                            T a Python number, a one-element tensor, or one value
+                                               per row ([B, 1]) of the logits' dtype; or absent (T = 1)
 
-Forms: temperature + top-k + race (gpt-fast), top-k only, temperature only. A candidate is declined
-(graph unchanged, reason in the match report) when a piece is missing or different, when an
-intermediate (the probabilities, the mask) is used outside the chain (e.g. returned: it would have to
-be computed anyway), when top-k is not a positive int, or when the logits are not bf16/fp16/fp32 on
-CPU/CUDA. NaN or +inf logits: the original's softmax is all NaN there and its argmax is token 0; the
-kernel returns 0 for such rows too.
+A candidate is declined (graph unchanged, reason in the match report) when a piece is missing or
+different, when an intermediate (the probabilities, the mask) is used outside the chain (e.g. returned:
+it would have to be computed anyway), when top-k is not a positive int, when the temperature promotes
+the logits to another dtype, or when the logits are not bf16/fp16/fp32 on CPU/CUDA.
+NaN or +inf logits: the original race's softmax is all NaN there and its argmax is token 0; the kernel
+returns 0 for such rows too. ``torch.multinomial`` raises on such rows instead: after the rewrite they
+give token 0 (a difference on invalid input only).
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def _scalar_value(n):
 
 @dataclass
 class SamplerMatch:
-    argmax: Node
+    output: Node  # the argmax of the race, or the multinomial
     logits: Node
     temperature: float | Node  # a number, or a node holding one value (a tensorified Python float)
     top_k: int | Node | None  # a number, a SymInt node (dynamic top-k), or None: no mask
@@ -174,8 +177,9 @@ def _top_k_mask(z: Node) -> tuple[Node, int | None, list[Node]]:
 
 
 def _temperature(x: Node) -> tuple[Node, float | Node]:
-    """(logits, T) for x = logits / T: T a Python number, or a one-element tensor (a Python float that
-    Dynamo made an input: the value may change without a recompile). Anything else: T = 1, x is the logits."""
+    """(logits, T) for x = logits / T: T a Python number, a one-element tensor (a Python float that
+    Dynamo made an input: the value may change without a recompile) or one value per row ([B, 1], e.g.
+    ``temperature[:, None]``). Anything else: T = 1, x is the logits."""
     if not _is(x, aten.div.Tensor):
         return x, 1.0
     t = x.args[1]
@@ -183,14 +187,18 @@ def _temperature(x: Node) -> tuple[Node, float | Node]:
         if not t > 0 or math.isinf(t):
             raise Decline(f"temperature {t} is not a positive finite number")
         return x.args[0], float(t)
-    tv = _val(t)
-    if isinstance(t, Node) and isinstance(tv, torch.Tensor) and tv.numel() == 1 and tv.is_floating_point():
+    tv, lv = _val(t), _val(x.args[0])
+    if not (isinstance(t, Node) and isinstance(tv, torch.Tensor) and tv.is_floating_point()):
+        return x, 1.0
+    one_value = tv.numel() == 1
+    per_row = lv is not None and lv.dim() == 2 and tv.dim() == 2 and list(tv.shape) == [lv.shape[0], 1]
+    if one_value or per_row:
         return x.args[0], t
     return x, 1.0
 
 
-def match_sampler(argmax: Node) -> SamplerMatch:
-    """Analyse the chain above one argmax; raises Decline with the reason it does not fit."""
+def _race(argmax: Node) -> tuple[Node, list[Node], Node]:
+    """(probs, race nodes, rand) for argmax(probs / q, -1) with q exponential noise."""
     ndim = _val(argmax.args[0]).dim()
     dim = argmax.args[1] if len(argmax.args) > 1 else argmax.kwargs.get("dim")
     if dim is None or not _is_last_dim(dim, ndim):
@@ -200,22 +208,44 @@ def match_sampler(argmax: Node) -> SamplerMatch:
     if not _is(ratio, aten.div.Tensor) or not all(isinstance(a, Node) for a in ratio.args):
         raise Decline("argmax input is not probs / q")
     noise = _exponential_noise(ratio.args[1])
-    z, softmax_nodes = _softmax_input(ratio.args[0])
+    return ratio.args[0], [*casts, ratio, *noise], noise[-1]
+
+
+def _multinomial(node: Node) -> Node:
+    """probs for torch.multinomial(probs, 1) drawing from torch's default generator."""
+    args = list(node.args) + [None] * 3
+    num_samples = node.kwargs.get("num_samples", args[1])
+    if num_samples != 1:
+        raise Decline(f"multinomial draws {num_samples} samples, not 1")
+    if node.kwargs.get("generator") is not None or args[3] is not None:
+        raise Decline("multinomial uses its own generator")
+    return node.args[0]
+
+
+def match_sampler(output: Node) -> SamplerMatch:
+    """Analyse the chain above one argmax race or multinomial; raises Decline with the reason it does not fit."""
+    if _is(output, aten.multinomial.default):
+        probs, race_nodes, rand = _multinomial(output), [], None
+    else:
+        probs, race_nodes, rand = _race(output)
+    z, softmax_nodes = _softmax_input(probs)
     x, top_k, mask_nodes = _top_k_mask(z)
     logits, temperature = _temperature(x)
     lv = _val(logits)
     if lv is None or lv.dtype not in LOGIT_DTYPES:
         raise Decline(f"logits dtype {getattr(lv, 'dtype', None)} is not bf16/fp16/fp32")
+    if _val(x).dtype != lv.dtype:
+        raise Decline(f"logits / T is {_val(x).dtype}, the logits {lv.dtype} (a temperature of another dtype "
+                      "promotes them): not supported yet")
     if lv.device.type not in ("cpu", "cuda"):
         raise Decline(f"logits on {lv.device}")
-    if list(_val(noise[-1]).shape) != list(lv.shape):
+    if rand is not None and list(_val(rand).shape) != list(lv.shape):
         raise Decline("the noise is not drawn per token")
-    chain = [*casts, ratio, *noise, *softmax_nodes, *mask_nodes]
-    return SamplerMatch(argmax, logits, temperature, top_k, chain)
+    return SamplerMatch(output, logits, temperature, top_k, [*race_nodes, *softmax_nodes, *mask_nodes])
 
 
 def _users_outside(match: SamplerMatch) -> str | None:
-    inside = set(match.chain) | {match.argmax}
+    inside = set(match.chain) | {match.output}
     for n in match.chain:
         for user in n.users:
             if user not in inside:
@@ -236,7 +266,7 @@ def _replace(graph: Graph, m: SamplerMatch) -> None:
     V = lv.shape[-1]
     top_k = m.top_k if m.top_k is not None else 2**31 - 1  # no mask: every token kept
     temp_t, temp_s = (m.temperature, 1.0) if isinstance(m.temperature, Node) else (None, m.temperature)
-    with graph.inserting_before(m.argmax):
+    with graph.inserting_before(m.output):
         flat = m.logits
         if lv.dim() != 2:
             flat = graph.call_function(aten.reshape.default, (m.logits, [-1, V]))
@@ -247,24 +277,25 @@ def _replace(graph: Graph, m: SamplerMatch) -> None:
         args = (flat, temp_t, temp_s, None, top_k, seed)
         tokens = graph.call_function(kernel.sample_top_k.default, args)
         tokens.meta["val"] = _fake(kernel.sample_top_k, *args)
-        out = graph.call_function(aten.reshape.default, (tokens, list(_val(m.argmax).shape)))
-        out.meta["val"] = _val(m.argmax)
-    m.argmax.replace_all_uses_with(out)
+        out = graph.call_function(aten.reshape.default, (tokens, list(_val(m.output).shape)))
+        out.meta["val"] = _val(m.output)
+    m.output.replace_all_uses_with(out)
 
 
 def rewrite_samplers(graph: Graph) -> int:
     from fusekern.compiler_pass.report import record_rejection
 
     fired = 0
-    for argmax in [n for n in graph.nodes if _is(n, aten.argmax.default)]:
+    for node in [n for n in graph.nodes if _is(n, aten.argmax.default, aten.multinomial.default)]:
         try:
-            m = match_sampler(argmax)
+            m = match_sampler(node)
             reason = _users_outside(m)
             if reason:
                 raise Decline(reason)
         except Decline as why:
-            if _is(_strip_casts(argmax.args[0]), aten.div.Tensor):  # looked like a race: say why not
-                record_rejection("sample_top_k", argmax.name, str(why))
+            # Say why not, for what looked like a sampler: a race (argmax of a ratio) or a multinomial.
+            if _is(node, aten.multinomial.default) or _is(_strip_casts(node.args[0]), aten.div.Tensor):
+                record_rejection("sample_top_k", node.name, str(why))
             continue
         _replace(graph, m)
         fired += 1
@@ -273,5 +304,6 @@ def rewrite_samplers(graph: Graph) -> int:
 
 register_rewrite(
     "sample_top_k", rewrite_samplers, family="sampling", stage="joint", kernel_version=kernel.KERNEL_VERSION,
-    description="argmax(softmax(where(x < topk(x, k)[0][..., -1:], -inf, x)) / q) with x = logits / T",
+    description="argmax(softmax(where(x < topk(x, k)[0][..., -1:], -inf, x)) / q) or multinomial(softmax(...), 1), "
+                "x = logits / T",
 )

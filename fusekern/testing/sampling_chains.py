@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 def gpt_fast(logits: torch.Tensor, temperature: float = 0.8, top_k: int = 50) -> torch.Tensor:
     """gpt-fast's ``logits_to_probs`` + ``multinomial_sample_one_no_sync``: an int32 token per row."""
-    logits = logits / max(temperature, 1e-5)
+    return gpt_fast_tensor_temperature(logits, max(temperature, 1e-5), top_k)
+
+
+def gpt_fast_tensor_temperature(logits: torch.Tensor, temperature, top_k: int = 50) -> torch.Tensor:
+    """The gpt-fast chain dividing by ``temperature`` as given: a number, one value, or [B, 1] per row."""
+    logits = logits / temperature
     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
     pivot = v.select(-1, -1).unsqueeze(-1)
     logits = torch.where(logits < pivot, -float("Inf"), logits)
