@@ -69,7 +69,10 @@ class FusekernGraphPass(CustomGraphPass):
             from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
             remove_noop_ops(graph)
-        canonicalize(graph)
+        if any(isinstance(p, Pattern) for p in self.patterns):
+            # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
+            # graph as it is, so a stage with only those leaves the user's graph untouched.
+            canonicalize(graph)
         self._dump(graph, "before")
         with graph_report(self.stage) as report:
             report.nodes_before = len(graph.nodes)
