@@ -34,7 +34,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------- heuristics
 
 SAMPLE = 4096  # strided sample of a row used to bound the k-th largest from below
-MIN_KEY = -(2**31)  # below every key: "select everything"
+MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
 
 
 def chunks_per_row(B: int, V: int, sms: int, block: int) -> int:
@@ -145,7 +145,7 @@ def _threshold_kernel(
     _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
     n = tl.sum(mask.to(tl.int32), axis=0)
     t0 = _kth_largest(key, mask, tl.minimum(k, n), KEY_BITS)
-    t0 = tl.where(k <= n, t0, -2147483648)
+    t0 = tl.where(k <= n, t0, MIN_KEY)
     tl.store(thr_ptr + row, t0)
     tl.store(count_ptr + row, 0)
     tl.store(flag_ptr + row, 0)
