@@ -45,15 +45,10 @@ class Recorder:
 
 
 def cases():
-    picked = {}
-    for n, kk in k.REPORT_SHAPES:
-        for m in k.REPORT_MS:
-            cfg = k.select_config(m, n, kk)
-            if not isinstance(cfg, k.DequantConfig):
-                picked.setdefault(cfg, (m, n, kk))
-    for cfg, (M, N, K) in picked.items():
-        yield cfg, (M, N, K)
-        yield cfg, (M, N, K - 64)
+    for cfg, (M, N, K) in k.shipped_configs().items():
+        if not isinstance(cfg, k.DequantConfig):
+            yield cfg, (M, N, K)
+            yield cfg, (M, N, K - 64)
 
 
 def main():

@@ -25,9 +25,7 @@ def main():
     for B in (1, 32, 256):
         logits = torch.randn(B, V, device="cuda", dtype=torch.bfloat16) * 3
         seed = torch.tensor([1], device="cuda")
-        C = S.chunks_per_row(B, V, 132, block)
-        span = triton.cdiv(triton.cdiv(V, C), block) * block
-        C = triton.cdiv(V, span)
+        C, span = S.row_split(B, V, 132, block)
         cap = S.candidate_capacity(V, 50)
         ints = torch.zeros((3, B), dtype=torch.int32, device="cuda")
         cand = torch.empty((B, cap), dtype=torch.int32, device="cuda")

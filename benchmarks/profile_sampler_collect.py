@@ -40,9 +40,7 @@ def _variant(logits_ptr, temperature, thr_ptr, count_ptr, cand_ptr, V, span, str
 V, block = 128256, 2048
 for B in (256,):
     logits = torch.randn(B, V, device="cuda", dtype=torch.bfloat16) * 3
-    C = S.chunks_per_row(B, V, 132, block)
-    span = triton.cdiv(triton.cdiv(V, C), block) * block
-    C = triton.cdiv(V, span)
+    C, span = S.row_split(B, V, 132, block)
     cap = 4096
     ints = torch.zeros((3, B), dtype=torch.int32, device="cuda")
     S._threshold_kernel[(B,)](logits, logits, 0.8, 0, logits, 50, 0, ints[0], ints[1], ints[2], V, V, V // 4096,

@@ -42,6 +42,12 @@ def chunks_per_row(B: int, V: int, sms: int, block: int) -> int:
     return max(1, min(triton.cdiv(V, block), triton.cdiv(2 * sms, B)))
 
 
+def row_split(B: int, V: int, sms: int, block: int) -> tuple[int, int]:
+    """(chunks, span): each row cut into chunks of ``span`` tokens, a whole number of blocks each."""
+    span = triton.cdiv(triton.cdiv(V, chunks_per_row(B, V, sms, block)), block) * block
+    return triton.cdiv(V, span), span
+
+
 def block_slots(B: int) -> bool:
     """Reserve candidate slots per block (small batch) rather than per candidate (H200 measurement)."""
     return B <= 32
@@ -329,9 +335,7 @@ def sample_top_k_triton(
     temp, stride_t, t_scalar = _row_arg(temperature, B, logits.device, "temperature", float)
     topk, stride_k, k_scalar = _row_arg(top_k, B, logits.device, "top_k", lambda k: int(min(max(k, 1), 2**31 - 1)))
     cap = capacity or candidate_capacity(V, None if topk is not None else k_scalar)
-    C = chunks_per_row(B, V, sm_count(logits.device), block)
-    span = triton.cdiv(triton.cdiv(V, C), block) * block
-    C = triton.cdiv(V, span)
+    C, span = row_split(B, V, sm_count(logits.device), block)
     key_bits = 32 if logits.dtype == torch.float32 else 16
     ints = torch.empty((3, B), dtype=torch.int32, device=logits.device)  # threshold, count, flag per row
     cand = torch.empty((B, cap), dtype=torch.int32, device=logits.device)
@@ -358,8 +362,7 @@ def aot_builds():
     from fusekern.kernels.catalog import TritonBuild
 
     B, V, block, k = 1, 128256, 2048, 50
-    C = chunks_per_row(B, V, 132, block)
-    span = triton.cdiv(triton.cdiv(V, C), block) * block
+    _, span = row_split(B, V, 132, block)
     cap = candidate_capacity(V, k)
     builds = []
     for dtype, key_bits in (("bf16", 16), ("fp32", 32)):

@@ -409,6 +409,15 @@ REPORT_SHAPES = ((8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336), (1282
 REPORT_MS = (1, 16, 64, 256, 2048)
 
 
+def shipped_configs() -> dict:
+    """Each config ``select_config`` picks for the report shapes -> the first (M, N, K) that picks it."""
+    picked = {}
+    for n, k in REPORT_SHAPES:
+        for m in REPORT_MS:
+            picked.setdefault(select_config(m, n, k), (m, n, k))
+    return picked
+
+
 def aot_builds():
     """Every config ``select_config`` picks for the report shapes, bf16 activations, with bias.
 
@@ -417,12 +426,8 @@ def aot_builds():
     """
     from fusekern.kernels.catalog import TritonBuild
 
-    picked = {}
-    for n, k in REPORT_SHAPES:
-        for m in REPORT_MS:
-            picked.setdefault(select_config(m, n, k), (m, n, k))
     builds = []
-    for cfg, (M, N, K) in picked.items():
+    for cfg, (M, N, K) in shipped_configs().items():
         if isinstance(cfg, DequantConfig):
             args = dict(w_ptr="*i8", scale_ptr="*fp32", out_ptr="*bf16", N=N, K=K, stride_wn=K, stride_wk=1, stride_s=1)
             builds.append(TritonBuild("w8a16_dequant", f"BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} w4", _dequant_kernel,
