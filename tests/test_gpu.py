@@ -86,17 +86,35 @@ def test_reduce_overhead_cuda_graphs():
 # -- sampler -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("B", [1, 32, 256])
+SAMPLER_FILTERS = [dict(top_k=50), dict(top_k=50, top_p=0.9), dict(top_p=0.9), dict(min_p=0.1),
+                   dict(top_k=50, top_p=0.8, min_p=0.05), dict(top_k=1000), dict()]
+
+
+@pytest.mark.parametrize("B,filters", [(B, f) for B in (1, 8, 32) for f in SAMPLER_FILTERS]
+                         + [(256, f) for f in SAMPLER_FILTERS[:3]], ids=str)  # the float64 reference is slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sampler_at_vocab_size_with_injected_noise(B, dtype):
+def test_sampler_at_vocab_size_with_injected_noise(B, dtype, filters):
     from fusekern.kernels import sampler as S
 
     V = 128256
     logits = (torch.randn(B, V, device="cuda") * 4).to(dtype)
     q = torch.empty(B, V, device="cuda").exponential_(1)
     out = torch.full((B,), -1, dtype=torch.int64, device="cuda")
-    S.sample_top_k_triton(logits, 0.7, 50, torch.tensor([9], device="cuda"), noise=q, out=out)
-    assert out.tolist() == S.sample_top_k_reference(logits, 0.7, 50, q).tolist()
+    S.sample_triton(logits, 0.7, seed=torch.tensor([9], device="cuda"), noise=q, out=out, **filters)
+    assert out.tolist() == S.sample_reference(logits, 0.7, q=q, **filters).tolist()
+
+
+@pytest.mark.parametrize("variant", [dict(threshold="radix"), dict(fused=True), dict(fused=False), dict(slots=16)],
+                         ids=str)
+def test_sampler_variants_draw_the_same_tokens(variant):
+    from fusekern.kernels import sampler as S
+
+    logits = (torch.randn(64, 128256, device="cuda") * 4).to(torch.bfloat16)
+    per_row = dict(temperature=torch.rand(64, device="cuda") + 0.5,
+                   top_k=torch.randint(1, 200, (64,), device="cuda"), top_p=torch.rand(64, device="cuda"))
+    seed = torch.tensor([3], device="cuda")
+    assert torch.equal(S.sample_triton(logits, seed=seed, **per_row),
+                       S.sample_triton(logits, seed=seed, **per_row, **variant))
 
 
 def test_sampler_under_cuda_graphs_draws_fresh_numbers_and_reproduces_by_seed():
@@ -113,6 +131,6 @@ def test_sampler_under_cuda_graphs_draws_fresh_numbers_and_reproduces_by_seed():
             a = f(logits).clone()
             torch.manual_seed(5)
             b = f(logits).clone()
-    assert dict(fusekern.match_report().fired()) == {"sample_top_k": 1}
+    assert dict(fusekern.match_report().fired()) == {"sample": 1}
     assert not torch.equal(outs[2], outs[3]), "a CUDA-graph replay repeated the previous draws"
     assert torch.equal(a, b), "torch.manual_seed did not reproduce the draws"

@@ -27,22 +27,70 @@ def exp_noise(B, V, seed=1):
     return torch.empty(B, V).exponential_(1, generator=g).to(DEVICE)
 
 
+FILTERS = {
+    "top-k": dict(top_k=7),
+    "top-k ties at V": dict(top_k="V+5"),
+    "top-p": dict(top_p=0.6),
+    "min-p": dict(min_p=0.2),
+    "top-k + top-p + min-p": dict(top_k=40, top_p=0.8, min_p=0.05),
+    "temperature only": dict(),
+    "per row": "per_row",
+}
+
+
+def filters_for(name, B, V):
+    f = FILTERS[name]
+    if f == "per_row":
+        return dict(top_k=torch.tensor([1, 3, 40, V, 9][:B], device=DEVICE),
+                    top_p=torch.tensor([0.3, 1.0, 0.8, 0.95, 0.5][:B], device=DEVICE),
+                    min_p=torch.tensor([0.0, 0.2, 0.05, 0.0, 0.01][:B], device=DEVICE))
+    return {k: (V + 5 if v == "V+5" else v) for k, v in f.items()}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,V,block,capacity", [(3, 300, 128, None), (5, 1100, 256, None), (1, 777, 128, 16)])
-@pytest.mark.parametrize("top_k", [1, 7, 50, "V+5", "per_row"])
-def test_matches_reference_with_injected_noise(dtype, B, V, block, capacity, top_k):
-    """capacity=16 forces most rows onto the slow path (candidate list overflow)."""
-    logits = make_logits(B, V, dtype, seed=V + B)
+@pytest.mark.parametrize("B,V,block,slots", [(3, 300, 128, None), (5, 1100, 256, None), (4, 777, 64, 8)])
+@pytest.mark.parametrize("name", list(FILTERS))
+def test_matches_reference_with_injected_noise(dtype, B, V, block, slots, name):
+    """slots=8 sends most rows to the slow path (chunk overflow, top-k beyond the slots)."""
+    logits = make_logits(B, V, dtype, seed=V + B, scale=0.7)
     q = exp_noise(B, V, seed=V)
-    if top_k == "V+5":
-        top_k = V + 5
-    elif top_k == "per_row":
-        top_k = torch.tensor([1, 3, 40, V, 9][:B], dtype=torch.int32, device=DEVICE)
+    filters = filters_for(name, B, V)
     temperature = torch.linspace(0.5, 1.5, B, device=DEVICE) if B > 1 else 0.8
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
-    S.sample_top_k_triton(logits, temperature, top_k, seed_tensor(), noise=q, out=out, block=block, capacity=capacity)
-    ref = S.sample_top_k_reference(logits, temperature, top_k, q)
-    assert out.cpu().tolist() == ref.tolist()
+    S.sample_triton(logits, temperature, seed=seed_tensor(), noise=q, out=out, block=block, slots=slots, **filters)
+    assert out.cpu().tolist() == S.sample_reference(logits, temperature, q=q, **filters).tolist()
+
+
+@pytest.mark.parametrize("variant", [dict(threshold="radix"), dict(fused=True), dict(fused=False),
+                                     dict(slots=8), "binary_search_top_p"], ids=str)
+def test_every_path_draws_the_same_tokens(variant, monkeypatch):
+    """Radix or search thresholds, one or two launches, fast or slow path, top-p pairwise or by binary
+    search: the same Philox uniform per (row, token), so the same tokens."""
+    logits = make_logits(6, 900, torch.bfloat16, seed=21, scale=0.7)
+    params = dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.02, seed=seed_tensor(11), block=128)
+    base = S.sample_triton(logits, **params)
+    if variant == "binary_search_top_p":
+        monkeypatch.setattr(S, "kept_block", lambda slots: 4)  # the kept set never fits the small block
+        variant = {}
+    assert torch.equal(base, S.sample_triton(logits, **params, **variant))
+
+
+def test_top_p_zero_keeps_the_most_likely_token():
+    """Hugging Face keeps one token (min_tokens_to_keep = 1) even for p = 0: the top one."""
+    logits = make_logits(4, 500, torch.float32, seed=3)
+    out = S.sample_triton(logits, 1.0, top_p=0.0, seed=seed_tensor(), block=128)
+    assert out.cpu().tolist() == logits.argmax(-1).cpu().tolist()
+
+
+def test_cpu_path_matches_reference():
+    """sample_torch (the op's CPU implementation) against the float64 reference, same generator draws."""
+    B, V = 5, 400
+    logits = make_logits(B, V, torch.bfloat16, seed=5, scale=0.7).cpu()
+    for filters in (dict(top_k=20, top_p=0.7, min_p=0.05), dict(top_p=0.5), dict()):
+        out = S.sample_torch(logits, 0.8, seed=torch.tensor([77]), **filters)
+        g = torch.Generator().manual_seed(77)
+        q = torch.empty(B, V).exponential_(1, generator=g)
+        assert out.tolist() == S.sample_reference(logits, 0.8, q=q, **filters).tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +98,7 @@ def test_top_k_1_is_argmax(dtype):
     B, V = 4, 701
     logits = make_logits(B, V, dtype, seed=2)
     logits[torch.arange(B), torch.tensor([5, 700, 370, 0])] = 100.0  # a unique maximum per row
-    out = S.sample_top_k_triton(logits, 0.7, 1, seed_tensor(), block=256)
+    out = S.sample_triton(logits, 0.7, 1, seed=seed_tensor(), block=256)
     assert out.cpu().tolist() == [5, 700, 370, 0]
 
 
@@ -61,18 +109,18 @@ def test_ties_at_the_pivot_are_kept():
     logits[0, :4] = torch.tensor([5.0, 4.0, 4.0, 4.0])
     logits = logits.to(DEVICE, torch.bfloat16).expand(128, V).contiguous()
     q = exp_noise(128, V, seed=5)
-    out = S.sample_top_k_triton(logits, 1.0, 2, seed_tensor(), noise=q, block=32)
+    out = S.sample_triton(logits, 1.0, 2, seed=seed_tensor(), noise=q, block=32)
     assert set(out.cpu().tolist()) == {0, 1, 2, 3}
-    assert out.cpu().tolist() == S.sample_top_k_reference(logits, 1.0, 2, q).tolist()
+    assert out.cpu().tolist() == S.sample_reference(logits, 1.0, 2, q=q).tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_tokens_are_never_sampled(dtype):
-    B, V, k = 16, 120, 5
+    B, V, k, p = 16, 120, 8, 0.7
     logits = make_logits(1, V, dtype, seed=9, scale=0.5).expand(B, V).contiguous()  # flat: masks matter
-    out = S.sample_top_k_triton(logits, 1.0, k, seed_tensor(7), block=128).cpu()
-    x = logits[0].float().cpu()
-    allowed = set(torch.nonzero(x >= x.topk(k).values[-1]).flatten().tolist())
+    out = S.sample_triton(logits, 1.0, k, p, seed=seed_tensor(7), block=128).cpu()
+    x = logits[:1].double().cpu()
+    allowed = set(torch.nonzero(S.kept_mask(x, k, p, None)[0]).flatten().tolist())
     assert set(out.tolist()) <= allowed
     assert len(set(out.tolist())) > 1  # it does sample, not just argmax
 
@@ -89,10 +137,10 @@ def test_frequencies_match_the_distribution():
     logits = base.to(DEVICE).expand(B, V).contiguous()
     counts = torch.zeros(V)
     for s in range(calls):
-        out = S.sample_top_k_triton(logits, T, k, seed_tensor(100 + s), block=16)
+        out = S.sample_triton(logits, T, k, 0.9, seed=seed_tensor(100 + s), block=16)
         counts += torch.bincount(out.cpu(), minlength=V).float()
     x = (base / T).double()
-    kept = x >= x.topk(k).values[-1]
+    kept = S.kept_mask(x[None], k, 0.9, None)[0]
     p = torch.softmax(torch.where(kept, x, float("-inf")), 0)
     assert counts[~kept].sum() == 0
     expected = p[kept] * counts.sum()
@@ -100,27 +148,11 @@ def test_frequencies_match_the_distribution():
     assert chi2 < 22.46, chi2  # 99.9% quantile of chi-square with 5 degrees of freedom
 
 
-def test_both_slot_reservations_sample_the_same(monkeypatch):
-    logits = make_logits(40, 700, torch.bfloat16, seed=12, scale=0.5)
-    a = S.sample_top_k_triton(logits, 0.9, 25, seed_tensor(4), block=128)  # B = 40: one atomic per candidate
-    monkeypatch.setattr(S, "block_slots", lambda B: True)
-    b = S.sample_top_k_triton(logits, 0.9, 25, seed_tensor(4), block=128)
-    assert torch.equal(a, b)
-
-
-def test_slow_path_samples_what_the_fast_path_samples():
-    """Both paths draw the same Philox uniform per (row, token): the same seed gives the same tokens."""
-    logits = make_logits(8, 600, torch.bfloat16, seed=6, scale=0.5)
-    fast = S.sample_top_k_triton(logits, 0.9, 30, seed_tensor(11), block=256)
-    slow = S.sample_top_k_triton(logits, 0.9, 30, seed_tensor(11), block=256, capacity=8)
-    assert torch.equal(fast, slow)
-
-
 def test_seed_reproduces_and_changes_the_draws():
     logits = make_logits(8, 200, torch.bfloat16, seed=4, scale=0.3)
-    a = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(1), block=128)
-    b = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(1), block=128)
-    c = S.sample_top_k_triton(logits, 1.0, 60, seed_tensor(2), block=128)
+    a = S.sample_triton(logits, 1.0, 60, seed=seed_tensor(1), block=128)
+    b = S.sample_triton(logits, 1.0, 60, seed=seed_tensor(1), block=128)
+    c = S.sample_triton(logits, 1.0, 60, seed=seed_tensor(2), block=128)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 
@@ -137,7 +169,7 @@ def test_special_values():
     logits[3, 11] = float("nan")  # NaN anywhere: token 0, as the original
     logits = logits.to(DEVICE, torch.bfloat16)
     q = exp_noise(5, V, seed=3)
-    out = S.sample_top_k_triton(logits, 1.0, 50, seed_tensor(), noise=q, block=16).cpu().tolist()
+    out = S.sample_triton(logits, 1.0, 50, 0.9, seed=seed_tensor(), noise=q, block=16).cpu().tolist()
     assert out[:4] == [17, 0, 0, 0]
     assert 0 <= out[4] < V
     eager = sample_eager_gpt_fast(logits, 1.0, 50, q)
@@ -157,33 +189,31 @@ def sample_eager_gpt_fast(logits, temperature, top_k, q):
 def test_bad_input_is_a_clear_error():
     logits = make_logits(2, 10, torch.bfloat16)
     with pytest.raises(ValueError, match=r"\[B, V\]"):
-        S.sample_top_k_triton(logits[0], 1.0, 5, seed_tensor())
+        S.sample_triton(logits[0], 1.0, 5, seed=seed_tensor())
     with pytest.raises(TypeError, match="bf16/fp16/fp32"):
-        S.sample_top_k_triton(logits.to(torch.int32), 1.0, 5, seed_tensor())
+        S.sample_triton(logits.to(torch.int32), 1.0, 5, seed=seed_tensor())
     with pytest.raises(ValueError, match="seed"):
-        S.sample_top_k_triton(logits, 1.0, 5, torch.tensor([1, 2], device=DEVICE))
+        S.sample_triton(logits, 1.0, 5, seed=torch.tensor([1, 2], device=DEVICE))
     with pytest.raises(ValueError, match="top_k must be a number or hold"):
-        S.sample_top_k_triton(logits, 1.0, torch.ones(3, dtype=torch.int32, device=DEVICE), seed_tensor())
+        S.sample_triton(logits, 1.0, torch.ones(3, dtype=torch.int32, device=DEVICE), seed=seed_tensor())
+    with pytest.raises(ValueError, match="top_p must be a number or hold"):
+        S.sample_triton(logits, 1.0, 5, torch.ones(3, device=DEVICE), seed=seed_tensor())
     with pytest.raises(ValueError, match="empty vocabulary"):
-        S.sample_top_k_triton(logits[:, :0], 1.0, 5, seed_tensor())
-    assert S.sample_top_k_triton(logits[:0], 1.0, 5, seed_tensor()).shape == (0,)
+        S.sample_triton(logits[:, :0], 1.0, 5, seed=seed_tensor())
+    assert S.sample_triton(logits[:0], 1.0, 5, seed=seed_tensor()).shape == (0,)
 
 
 def test_strided_rows():
     logits = make_logits(3, 2 * 333, torch.float16, seed=8)[:, ::2]  # column stride 2
     q = exp_noise(3, 333, seed=8)
-    out = S.sample_top_k_triton(logits, 1.3, 20, seed_tensor(), noise=q, block=64)
-    assert out.cpu().tolist() == S.sample_top_k_reference(logits, 1.3, 20, q).tolist()
+    out = S.sample_triton(logits, 1.3, 20, 0.9, seed=seed_tensor(), noise=q, block=64)
+    assert out.cpu().tolist() == S.sample_reference(logits, 1.3, 20, 0.9, q=q).tolist()
 
 
 def test_size_heuristics():
-    assert S.sample_size(128256) == 4096 and S.sample_size(300) == 512
-    assert S.candidate_capacity(128256, 50) == 4096  # 2 x 50 x 31.3 expected candidates, a power of 2
-    assert S.candidate_capacity(300, 5) == 512  # never more than the vocabulary needs
-
-
-def test_chunks_heuristic():
-    assert S.chunks_per_row(1, 128256, 132, 2048) == 63  # one row spreads over many SMs
-    assert S.chunks_per_row(256, 128256, 132, 2048) == 2
-    assert S.chunks_per_row(1024, 128256, 132, 2048) == 1
-    assert math.isclose(S.chunks_per_row(1, 100, 132, 2048), 1)
+    assert S.chunk_block(1, 128256) == 4096 and S.chunk_block(256, 128256) == 8192
+    assert S.chunk_block(4, 300) == 512  # never more than the vocabulary needs
+    assert S.slots_for(50) == 64 and S.slots_for(1) == 16 and S.slots_for(None) == 128
+    assert S.slots_for(5000) == 1024  # beyond: the exact slow path
+    assert S.kept_block(64) == 64 and S.kept_block(1024) == 128
+    assert S.fused_finish(1) and not S.fused_finish(256)

@@ -1,13 +1,17 @@
 """Sampling chains written as users write them: the rewrite fires, and the compiled graph samples
-from the same distribution as the original (chi-square against the exact distribution).
+from the same distribution as the original (chi-square against the exact distribution), from the same
+kept set (the op gets the chain's parameters), and, for the race chains, the same tokens given the same
+exponential draws.
 
 On CPU the op runs its PyTorch implementation; the Triton kernel is covered by test_sampler_kernel.py
 (interpreter) and by the GPU runs of both files.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fusekern
+from fusekern.kernels import sampler as kernel
 from fusekern.testing import sampling_chains as chains
 from torch._dynamo.utils import counters
 
@@ -102,7 +106,7 @@ def test_forms_fire_and_match_the_distribution(form, dtype):
     with torch.no_grad():
         want = fn(logits)
         got = f(logits)
-    assert fired() == {"sample_top_k": 1}
+    assert fired() == {"sample": 1}
     assert got.shape == want.shape and got.dtype == want.dtype
     p = exact_distribution(logits[0], temperature, top_k)
     for tokens in (got, want):  # the original passes the same test: the test itself is sound
@@ -119,7 +123,7 @@ def test_one_row_1d_logits():
     f = compiled(gpt_fast_batch1)
     with torch.no_grad():
         out = f(logits)
-    assert fired() == {"sample_top_k": 1}
+    assert fired() == {"sample": 1}
     assert out.shape == (1,) and out.dtype == torch.int32
     x = (logits[0, -1].float() / 0.8).to(torch.bfloat16)
     assert x[out.long()] >= x.topk(5).values[-1]
@@ -134,7 +138,7 @@ def test_manual_seed_reproduces_a_run():
         torch.manual_seed(3)
         b = f(logits)
         c = f(logits)
-    assert fired() == {"sample_top_k": 1}
+    assert fired() == {"sample": 1}
     assert torch.equal(a, b) and not torch.equal(b, c)
 
 
@@ -147,7 +151,7 @@ def test_nan_and_inf_rows_give_token_0_like_the_original():
         torch.manual_seed(0)
         want = gpt_fast(logits, 1.0, 10)
         got = f(logits)
-    assert fired() == {"sample_top_k": 1}
+    assert fired() == {"sample": 1}
     assert got[:2].flatten().tolist() == want[:2].flatten().tolist() == [0, 0]
 
 
@@ -168,7 +172,7 @@ def test_changing_temperature_and_top_k_adds_no_recompile():
                 f(x, t, k)
         graphs[backend] = counters["stats"]["unique_graphs"]
     assert graphs["fusekern"] == graphs["inductor"] <= 5
-    assert fired() == {"sample_top_k": graphs["fusekern"]}  # every compiled graph, including the dynamic ones
+    assert fired() == {"sample": graphs["fusekern"]}  # every compiled graph, including the dynamic ones
 
 
 def test_dynamic_batch_one_compile():
@@ -179,7 +183,7 @@ def test_dynamic_batch_one_compile():
             out = f(torch.randn(B, 300, device=DEVICE, dtype=torch.bfloat16))
             assert out.shape == (B, 1)
     assert counters["stats"]["unique_graphs"] == 1
-    assert fired() == {"sample_top_k": 1}
+    assert fired() == {"sample": 1}
 
 
 def returns_probs(logits):
@@ -236,7 +240,7 @@ def test_near_misses_stay_as_written(fn, reason):
         f(*args)
     report = fusekern.match_report()
     assert fired() == {}
-    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample_top_k"]
+    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample"]
     assert any(reason in r for r in reasons), reasons
 
 
@@ -258,7 +262,7 @@ def test_near_misses_bf16_stay_as_written(fn, reason):
         f(torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16))
     report = fusekern.match_report()
     assert fired() == {}
-    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample_top_k"]
+    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample"]
     assert any(reason in r for r in reasons), reasons
 
 
@@ -267,3 +271,302 @@ def test_disable_keeps_the_original():
     with torch.no_grad():
         f(torch.randn(2, 100, device=DEVICE))
     assert fired() == {}
+
+
+# -- top-p, min-p, vLLM's sorted filters, a repetition penalty upstream -------------------------------
+# Each form: (sample, warp): the chain, and the same chain up to its filtered logits (-inf: dropped).
+
+B_FILTER = 4096
+PREVIOUS = torch.tensor([0, 3, 5])  # the tokens a repetition penalty sees as generated
+
+
+def per_row(logits, value, dtype=None):
+    return torch.full((logits.shape[0],), value, device=logits.device, dtype=dtype or torch.float32)
+
+
+def hf_top_p_warp(s):
+    return chains.hf_warpers(s, 0.9, None, 0.8)
+
+
+def hf_top_p_tensor_warp(s):  # one value in a tensor, as Dynamo passes a Python float that changes
+    return chains.hf_warpers(s, 0.9, None, torch.tensor(0.8, device=s.device))
+
+
+def hf_top_p_per_row_warp(s):
+    return chains.hf_warpers(s, 0.9, None, per_row(s, 0.8)[:, None])
+
+
+def hf_top_k_top_p_min_p_warp(s):
+    return chains.hf_warpers(s, 0.9, 8, 0.9, 0.3)
+
+
+def hf_min_p_per_row_warp(s):  # the bare min-p rule (no keep step) with one min_p per row
+    return chains.hf_min_p_warper(s / 0.9, per_row(s, 0.2)[:, None], keep_step=False)
+
+
+def hf_min_p_older_warp(scores, min_p=0.2):  # transformers 4.4x: argsort, gather, scatter back (no-op step)
+    probs = torch.softmax(scores, dim=-1)
+    top_probs, _ = probs.max(dim=-1, keepdim=True)
+    tokens_to_remove = probs < min_p * top_probs
+    sorted_indices = torch.argsort(scores, descending=True, dim=-1)
+    sorted_indices_to_remove = torch.gather(tokens_to_remove, dim=-1, index=sorted_indices)
+    sorted_indices_to_remove[..., :1] = False
+    indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+    return scores.masked_fill(indices_to_remove, -float("inf"))
+
+
+def repetition_penalty_warp(s):
+    ids = PREVIOUS.to(s.device).expand(s.shape[0], -1)
+    return chains.hf_warpers(chains.hf_repetition_penalty(ids, s, 1.3), 0.9, 8, 0.9, 0.1)
+
+
+def multinomial_of(warp):
+    def sample(s):
+        return torch.multinomial(torch.softmax(warp(s), dim=-1), num_samples=1).squeeze(1)
+    return sample
+
+
+def vllm_params(logits):
+    return per_row(logits, 0.9), per_row(logits, 8, torch.int64), per_row(logits, 0.8)
+
+
+def vllm_sample(logits):
+    return chains.vllm_sample(logits.clone(), *vllm_params(logits))  # vLLM divides its logits in place
+
+
+def vllm_warp(logits):
+    t, k, p = vllm_params(logits)
+    return chains.vllm_apply_top_k_top_p(logits / t[:, None], k, p)
+
+
+FILTER_FORMS = {name: (multinomial_of(warp), warp) for name, warp in {
+    "hf_top_p": hf_top_p_warp,
+    "hf_top_p_tensor": hf_top_p_tensor_warp,
+    "hf_top_p_per_row": hf_top_p_per_row_warp,
+    "hf_top_k_top_p_min_p": hf_top_k_top_p_min_p_warp,
+    "hf_min_p_per_row": hf_min_p_per_row_warp,
+    "hf_min_p_older": hf_min_p_older_warp,
+    "repetition_penalty": repetition_penalty_warp,
+}.items()}
+FILTER_FORMS["vllm"] = (vllm_sample, vllm_warp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", sorted(FILTER_FORMS))
+def test_filter_chains_fire_and_match_the_distribution(form, dtype):
+    sample, warp = FILTER_FORMS[form]
+    logits = BASE.to(DEVICE, dtype).expand(B_FILTER, -1).contiguous()
+    f = compiled(sample)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = sample(logits)
+        got = f(logits)
+        kept_x = warp(logits[:1]).double()[0].cpu()
+    assert fired() == {"sample": 1}
+    assert got.shape == want.shape and got.dtype == want.dtype
+    p = torch.softmax(kept_x, 0)  # the original's distribution: softmax over what its filters keep
+    assert 1 < int((p > 0).sum()) < len(BASE), "the filters keep everything or one token: a weak test"
+    for tokens in (got, want):
+        counts = torch.bincount(tokens.flatten().long().cpu(), minlength=len(BASE)).double()
+        assert counts[p == 0].sum() == 0, "a token the original drops was sampled"
+        kept = p > 0
+        expected = p[kept] * B_FILTER
+        chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+        assert chi2 < 30.0, (chi2, counts.tolist())
+
+
+# Per-row parameters that differ row by row: the op must get each row's own.
+ROWS, VOCAB = 16, 150
+
+
+def row_values(lo, hi, dtype=torch.float32):
+    return torch.linspace(lo, hi, ROWS, device=DEVICE).to(dtype)
+
+
+def hf_rows_warp(s):  # temperature, top-p and min-p per row ([B, 1]); the bare min-p rule
+    s = s / row_values(0.6, 1.3)[:, None]
+    s = chains.hf_top_k_warper(s, 40)
+    s = chains.hf_top_p_warper(s, row_values(0.3, 0.99)[:, None])
+    return chains.hf_min_p_warper(s, row_values(0.0, 0.2)[:, None], keep_step=False)
+
+
+def vllm_rows_params():
+    return row_values(0.6, 1.3), row_values(2, VOCAB, torch.int64), row_values(0.3, 0.99)
+
+
+def vllm_rows_sample(logits):
+    return chains.vllm_sample(logits.clone(), *vllm_rows_params())
+
+
+def vllm_rows_warp(logits):
+    t, k, p = vllm_rows_params()
+    return chains.vllm_apply_top_k_top_p(logits / t[:, None], k, p)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The arguments the op's CPU implementation gets (it samples as usual)."""
+    calls = []
+
+    def recording(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed):
+        calls.append(dict(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        return real(logits, temperature, top_k, top_p, min_p, seed=seed)
+
+    real = kernel.sample_torch
+    monkeypatch.setattr(kernel, "sample_torch", recording)
+    return calls
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="records the op's CPU implementation")
+@pytest.mark.parametrize("sample,warp", [
+    (multinomial_of(hf_rows_warp), hf_rows_warp),
+    (multinomial_of(hf_top_k_top_p_min_p_warp), hf_top_k_top_p_min_p_warp),
+    (multinomial_of(repetition_penalty_warp), repetition_penalty_warp),
+    (vllm_rows_sample, vllm_rows_warp),
+], ids=["hf_per_row", "hf_top_k_top_p_min_p", "repetition_penalty", "vllm_per_row"])
+def test_the_op_keeps_what_the_chain_keeps(sample, warp, op_calls):
+    """Random logits, parameters per row: the set the op keeps (by its definition, from the arguments it
+    got) is the set the original's filters keep, and every token drawn lies in it."""
+    torch.manual_seed(1)
+    logits = torch.randn(ROWS, VOCAB, device=DEVICE) * 2
+    f = compiled(sample)
+    with torch.no_grad():
+        tokens = torch.stack([f(logits) for _ in range(20)])
+        want = warp(logits) > -float("inf")
+    assert fired() == {"sample": 1}
+    call = op_calls[-1]
+    t = call["temperature"]
+    t = t.reshape(-1, 1) if isinstance(t, torch.Tensor) else t
+    x = (call["logits"].float() / t).to(call["logits"].dtype).double()
+    got = kernel.kept_mask(x, call["top_k"], call["top_p"], call["min_p"])
+    assert torch.equal(got, want.cpu()), (got != want).nonzero().tolist()
+    assert want.gather(1, tokens.T.reshape(ROWS, -1)).all(), "a token the original drops was sampled"
+    assert 1 < int(want.sum(1).max()) < VOCAB  # the filters cut, and keep more than one token somewhere
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replaces the op's CPU noise")
+def test_vllm_race_gives_the_original_tokens_given_its_noise(monkeypatch):
+    """vLLM's chain draws q with exponential_ from torch's generator: with the op's noise set to the same
+    draws (its reference semantics), the compiled graph returns the original's tokens."""
+    torch.manual_seed(2)
+    logits = torch.randn(ROWS, VOCAB) * 2
+    torch.manual_seed(5)
+    q = torch.empty(ROWS, VOCAB).exponential_()  # the original's first random draw after the seed
+
+    def with_q(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed):
+        return kernel.sample_reference(logits, temperature, top_k, top_p, min_p, q=q)
+
+    monkeypatch.setattr(kernel, "sample_torch", with_q)
+    f = compiled(vllm_rows_sample)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        want = vllm_rows_sample(logits)
+        got = f(logits)
+    assert fired() == {"sample": 1}
+    assert got.tolist() == want.tolist()
+
+
+def test_vllm_dynamic_batch_one_compile():
+    f = compiled(vllm_sample, dynamic=True)
+    counters.clear()
+    with torch.no_grad():
+        for B in (3, 17, 40):
+            out = f(torch.randn(B, 100, device=DEVICE))
+            assert out.shape == (B,)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert fired() == {"sample": 1}
+
+
+def test_changing_top_p_adds_no_recompile():
+    """A Python top-p that changes becomes a graph input (1 - p computed from a tensor): the rewrite fires
+    in every graph and adds no guard: as many graphs as stock inductor."""
+    graphs = {}
+    for backend in ("inductor", "fusekern"):
+        torch._dynamo.reset()
+        fusekern.reset_match_report()
+        counters.clear()
+        f = torch.compile(lambda s, p: chains.hf_sample(s, 0.9, 20, p), backend=backend)
+        with torch.no_grad():
+            for p in (0.9, 0.8, 0.7, 0.95):
+                f(torch.randn(4, 100, device=DEVICE), p)
+        graphs[backend] = counters["stats"]["unique_graphs"]
+    assert graphs["fusekern"] == graphs["inductor"] >= 2  # the second graph takes p as a tensor
+    assert fired() == {"sample": graphs["fusekern"]}
+
+
+# -- near misses of the filters: declined, with the reason ---------------------------------------------
+
+
+def top_p_strict(scores, top_p=0.8):  # cumsum < 1 - p: keeps a token whose cumsum equals 1 - p
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) < (1 - top_p)
+    remove[..., -1:] = 0
+    scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+
+
+def top_p_descending(logits, top_p=0.8):  # the classic descending form: shift the mask right by one
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+    remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = 0
+    logits = logits.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1)
+
+
+def top_p_before_top_k(scores):
+    scores = chains.hf_top_k_warper(chains.hf_top_p_warper(scores, 0.8), 5)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+
+
+def min_p_before_top_p(scores):
+    scores = chains.hf_top_p_warper(chains.hf_min_p_warper(scores, 0.1), 0.8)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+
+
+def min_p_of_other_probs(logits):  # the probabilities of the logits, the mask on logits / T
+    scores = logits / 0.7
+    probs = torch.softmax(logits, dim=-1)
+    scores = scores.masked_fill(probs < 0.1 * probs.amax(dim=-1, keepdim=True), -float("inf"))
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+
+
+def top_p_keeps_two(scores):  # min_tokens_to_keep = 2
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 0.2
+    remove[..., -2:] = 0
+    scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+
+
+def top_p_returns_cumsum(scores):
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= 0.2
+    remove[..., -1:] = 0
+    scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1), cumulative
+
+
+def min_p_tensor_keep_step(scores):  # the keep step is a no-op only for min_p <= 1: not provable here
+    return chains.hf_sample(scores, None, None, None, per_row(scores, 0.1)[:, None])
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (top_p_strict, "cumsum < 1 - p"),
+    (top_p_descending, "sorts descending"),
+    (top_p_before_top_k, "applied as top-p -> top-k"),
+    (min_p_before_top_p, "applied as min-p -> top-p"),
+    (min_p_of_other_probs, "another tensor than the one masked"),
+    (top_p_keeps_two, "min_tokens_to_keep > 1"),
+    (top_p_returns_cumsum, "also used by"),
+    (min_p_tensor_keep_step, "constant min_p <= 1"),
+])
+def test_filter_near_misses_stay_as_written(fn, reason):
+    f = compiled(fn)
+    with torch.no_grad():
+        f(torch.randn(4, 64, device=DEVICE))
+    report = fusekern.match_report()
+    assert fired() == {}
+    reasons = [r.reason for g in report.graphs for r in g.rejected if r.pattern == "sample"]
+    assert any(reason in r for r in reasons), reasons

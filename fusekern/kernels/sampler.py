@@ -1,101 +1,122 @@
-"""Fused top-k sampler: temperature -> top-k mask -> softmax -> exponential race, in three launches.
+"""Fused sampler: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, one launch.
 
 ``tokens[b] = argmax_i over kept i of p_i / q_i`` with ``p = softmax(x)``, ``q ~ Exp(1)`` and
-``x = (logits[b] / T[b])`` rounded to the logits' dtype (as the graph being replaced computes it);
-kept: ``x_i >= v_k``, the k-th largest ``x`` of the row (ties kept, as ``torch.where(x < pivot, -inf, x)``).
+``x = logits[b] / T[b]`` rounded to the logits' dtype (as the graph being replaced computes it). Kept, in
+the order Hugging Face and vLLM apply the filters:
+- top-k: ``x_i >= v_k``, the k-th largest x (ties kept, as ``torch.where(x < pivot, -inf, x)``);
+- top-p: among those, ``mass(x > x_i) < p`` (mass of softmax over the top-k set): what "sort ascending,
+  cumsum, drop where cumsum <= 1 - p" keeps, ties kept together;
+- min-p: ``p_i >= min_p * p_max``, i.e. ``exp(x_i - max x) >= min_p``.
 
-No sort of the row, and one read of it:
-1. ``_threshold_kernel`` (a CTA per row): the k-th largest of a strided sample of 4096 logits, t0 (radix
-   select in registers: one 256-bin histogram per key byte). The
-   sample is a subset of the row, so t0 <= v_k: every kept token has x >= t0.
-2. ``_collect_kernel`` (several CTAs per row): streams the row once and appends the index of every
-   token with x >= t0 to the row's candidate list (about k * V / 4096 of them).
-3. ``_finish_kernel`` (a CTA per row): radix-selects v_k exactly among the candidates, draws a Philox
-   uniform per kept candidate and takes the best Gumbel score ``x - log(-log u)`` (the race ``p / q`` in
-   the log domain: softmax's normalizer does not change the argmax). A row whose candidates overflow
-   the list takes an exact slow path over its row in the same kernel (radix select, then the race).
+No sort and one read of the row. The row is cut into chunks, one CTA each, a chunk held in registers:
+1. Each chunk finds a threshold t_c with ``k_c <= count(key >= t_c) <= SLOTS`` (``k_c = min(k, SLOTS)``;
+   a binary search on counts that stops once the count fits) and writes the tokens with key >= t_c (its
+   candidates: raw key and index), its largest key, and its sum of exp (top-p without top-k). Keys here
+   are of the raw logits: x = logits / T is monotone in them, so no token is divided in this pass.
+   Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
+   holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= SLOTS.
+2. The last CTA of the row to finish (a ticket counter) reads the row's candidates and takes the exact
+   top-k pivot, the top-p threshold (binary search over keys on the candidates' mass), the min-p bound and
+   the race (Philox uniform per (row, token), Gumbel score ``x - log q``: the normalizer does not change
+   the argmax). Each step is exact when what it keeps lies at or above T, which it checks; a row where it
+   does not hold (ties overflowing a chunk's slots, top-k beyond the slots, top-p / min-p sets reaching
+   below T) takes an exact slow path over the whole row in the same CTA. Both paths draw the same numbers.
 Comparisons use an order-preserving integer key of x (16 bits for bf16/fp16, 32 for fp32).
 
 Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> reference -> custom op.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
 
-from fusekern.kernels.device_info import sm_count
-
-KERNEL_VERSION = "sampler-1"
+KERNEL_VERSION = "sampler-2"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
 
 
 # ----------------------------------------------------------------------------- heuristics
 
-SAMPLE = 4096  # strided sample of a row used to bound the k-th largest from below
-MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
+
+def chunk_block(B: int, V: int) -> int:
+    """Tokens per chunk (one CTA, which loops over it SUB tokens at a time): small chunks spread one row over the SMs, large
+    ones keep the per-row candidate list short when many rows fill the GPU anyway (H200 sweep)."""
+    block = 4096 if B <= 8 else 8192
+    return min(block, max(16, triton.next_power_of_2(V)))
 
 
-def chunks_per_row(B: int, V: int, sms: int, block: int) -> int:
-    """Enough CTAs in all to cover the SMs twice, but no chunk smaller than one block."""
-    return max(1, min(triton.cdiv(V, block), triton.cdiv(2 * sms, B)))
+def slots_for(top_k: int | None) -> int:
+    """Candidate slots per chunk: room for k plus ties at the chunk's pivot; without a known top-k (none,
+    or one per row) 128, enough for top-p / min-p sets of a peaked distribution."""
+    if top_k is None:
+        return 128
+    return int(min(max(16, triton.next_power_of_2(top_k + max(8, top_k // 4))), 1024))
 
 
-def row_split(B: int, V: int, sms: int, block: int) -> tuple[int, int]:
-    """(chunks, span): each row cut into chunks of ``span`` tokens, a whole number of blocks each."""
-    span = triton.cdiv(triton.cdiv(V, chunks_per_row(B, V, sms, block)), block) * block
-    return triton.cdiv(V, span), span
+SUB = 1024  # tokens a chunk's CTA holds at a time (its passes loop over the chunk from L1)
 
 
-def block_slots(B: int) -> bool:
-    """Reserve candidate slots per block (small batch) rather than per candidate (H200 measurement)."""
-    return B <= 32
+def fused_finish(B: int) -> bool:
+    """Finish rows in the chunk launch (saves a launch: small batches), or in a second launch whose
+    registers do not weigh on the chunk CTAs (large batches)."""
+    return B <= 8
 
 
-def sample_size(V: int) -> int:
-    return min(SAMPLE, triton.next_power_of_2(V))
+def kept_block(slots: int) -> int:
+    """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
+    return min(slots, 128)
 
 
-def candidate_capacity(V: int, top_k: int | None) -> int:
-    """Candidate slots per row: about 2x the expected number of candidates (k * V / sample size), at
-    most 8192 (the finish kernel holds them in one CTA) and no more than the vocabulary needs."""
-    expected = (top_k if top_k is not None else 64) * V / sample_size(V)
-    return int(min(max(triton.next_power_of_2(int(2 * expected)), 1024), 8192, triton.next_power_of_2(V)))
+def chunk_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _scaled(logits_ptr, row, offs, mask, stride_row, temperature):
-    """x = logits / T rounded to the logits' dtype (as fp32), and an order-preserving int32 key of x.
-
-    Keys: [0, 65536) for bf16/fp16, signed for fp32 (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``); -0 is made
-    +0 first so that equal floats get equal keys (torch compares -0 == +0).
-    """
-    raw = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=0.0)
-    rounded = tl.div_rn(raw.to(tl.float32), temperature).to(raw.dtype)  # IEEE division, as torch divides
-    x = tl.where(rounded == 0.0, 0.0, rounded.to(tl.float32))
-    if raw.dtype == tl.float32:
+def _key_of(x, DTYPE: tl.constexpr):
+    """Order-preserving int32 key of x (already rounded to DTYPE; -0 made +0 so equal floats get equal
+    keys, as torch compares -0 == +0): [0, 65536) for 16-bit floats, signed for fp32."""
+    x = tl.where(x == 0.0, 0.0, x)
+    if DTYPE == tl.float32:
         bits = x.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     else:
-        bits = x.to(raw.dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = x.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         key = tl.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
-    return x, key
+    return key
 
 
 @triton.jit
-def _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
-                TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr):
-    """This row's temperature and top-k (clamped to [1, V]): from tensors (stride 0: one value for all
-    rows) or scalar arguments."""
-    if TEMP_PER_ROW:
-        temperature = tl.load(temp_ptr + row * stride_t).to(tl.float32)
-    if K_PER_ROW:
-        top_k = tl.load(topk_ptr + row * stride_k).to(tl.int32)
-    return temperature, tl.minimum(tl.maximum(top_k, 1), V)
+def _x_of_key(key, DTYPE: tl.constexpr):
+    """The float whose key is ``key`` (inverse of _key_of)."""
+    if DTYPE == tl.float32:
+        x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    else:
+        bits = tl.where(key >= 0x8000, key & 0x7FFF, key ^ 0xFFFF)
+        x = bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scaled(logits_ptr, row, offs, mask, stride_row, temperature):
+    """x = logits / T rounded to the logits' dtype (as fp32; IEEE division, as torch divides) and its key."""
+    raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0)
+    x = tl.div_rn(raw.to(tl.float32), temperature).to(raw.dtype).to(tl.float32)
+    return x, _key_of(x, raw.dtype)
+
+
+@triton.jit
+def _row_param(ptr, scalar, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    """A per-row parameter: from a tensor (stride 0: one value for every row) or the scalar argument."""
+    if PER_ROW:
+        return tl.load(ptr + row * stride).to(DTYPE)
+    return tl.full((), 0, DTYPE) + scalar
 
 
 @triton.jit
@@ -118,10 +139,10 @@ def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _gumbel_score(x, seed, row, offs, V, noise_ptr, mask, HAS_NOISE: tl.constexpr):
+def _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE: tl.constexpr):
     """log(p / q) up to a per-row constant, q ~ Exp(1) drawn per (row, token): the exponential race."""
     if HAS_NOISE:  # test mode: the caller's exponential draws q [B, V]
-        q = tl.load(noise_ptr + row.to(tl.int64) * V + offs, mask=mask, other=1.0)
+        q = tl.load(noise_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=1.0)
     else:
         q = -tl.log(tl.rand(seed, row.to(tl.int64) * V + offs))
     return x - tl.log(q)
@@ -135,140 +156,391 @@ def _pack(score, offs):
     return ((skey >> 1) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["top_k"])  # a new top-k value must not compile a new variant
-def _threshold_kernel(
-    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
-    thr_ptr, count_ptr, flag_ptr, V, stride_row, step,
-    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, SAMPLE: tl.constexpr, KEY_BITS: tl.constexpr,
-):
-    """t0 = the k-th largest key of a strided sample of the row: a lower bound of the row's k-th largest."""
-    row = tl.program_id(0)
-    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
-                                 TEMP_PER_ROW, K_PER_ROW)
-    j = tl.arange(0, SAMPLE)
-    offs = j * step
-    mask = offs < V
-    _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-    n = tl.sum(mask.to(tl.int32), axis=0)
-    t0 = _kth_largest(key, mask, tl.minimum(k, n), KEY_BITS)
-    t0 = tl.where(k <= n, t0, MIN_KEY)
-    tl.store(thr_ptr + row, t0)
-    tl.store(count_ptr + row, 0)
-    tl.store(flag_ptr + row, 0)
+@triton.jit
+def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
+    """The smallest key t in (lo, hi] with mass(key > t) < pz (mass: sum of exp(x - m) over kept), by
+    binary search; mass(key > hi) must be < pz and mass(key > lo) >= pz."""
+    e = tl.where(kept, tl.exp(x - m), 0.0)
+    k64 = key.to(tl.int64)
+    lo = tl.maximum(lo, -1 if KEY_BITS == 16 else MIN_KEY - 1)  # 16-bit keys start at 0: 17 steps suffice
+    for _ in tl.static_range(KEY_BITS + 1):
+        mid = (lo + hi) >> 1  # floor: lo < mid < hi while hi - lo > 1
+        above = tl.sum(tl.where(k64 > mid, e, 0.0), axis=0)
+        go_down = above < pz
+        hi = tl.where(go_down & (mid > lo), mid, hi)
+        lo = tl.where(go_down, lo, mid)
+    return hi
 
 
 @triton.jit
-def _collect_kernel(
-    logits_ptr, temp_ptr, temperature, stride_t, thr_ptr, count_ptr, flag_ptr, cand_ptr,
-    V, span, stride_row, CAP,
-    TEMP_PER_ROW: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Append the index of every token with key >= t0 to the row's candidate list, and flag rows holding
-    NaN or +inf. Slots come from one atomic per candidate, or (BLOCK_SLOTS) one per block plus a prefix
-    sum: measured faster up to B = 32 (51.5 against 60.5 us for the sampler at B = 32), slower above
-    (231 against 204 us at B = 256): ``block_slots``."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if TEMP_PER_ROW:
-        temperature = tl.load(temp_ptr + row * stride_t).to(tl.float32)
-    t0 = tl.load(thr_ptr + row)
-    bad = tl.zeros((BLOCK,), dtype=tl.int1)
-    start = chunk * span
-    for off in range(start, tl.minimum(start + span, V), BLOCK):
+def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
+                     HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+                     PAIRWISE: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Top-p and min-p over the kept candidates, then the race; returns (best packed score, exact).
+
+    ``restricted``: the kept set is already the top-k set (top-p's softmax is over it). Otherwise
+    (no top-k) kept holds every token at or above T, and the result is exact only where what the
+    filters keep provably lies there. Top-p's mass above each token: pairwise over a small block (one
+    2-D reduction), or a binary search over keys for a large one.
+    """
+    if HAS_TOP_P:
+        if top_p < 1.0:
+            e = tl.where(kept, tl.exp(x - m), 0.0)
+            mass = tl.sum(e, axis=0)  # of the top-k set, or of every token at or above T
+            z = tl.where(restricted, mass, z_row)
+            # without top-k, tokens below T have at least this mass above them: they are cut if >= p z
+            exact &= restricted | (T == MIN_KEY) | (mass >= top_p * z)
+            if PAIRWISE:
+                above = tl.sum(tl.where(key[None, :] > key[:, None], e[None, :], 0.0), axis=1)
+                kept &= (above < top_p * z) | (above == 0.0)  # the top group stays, even for p = 0
+            else:
+                lo = tl.min(tl.where(kept, key, 2**31 - 1), axis=0).to(tl.int64) - 1
+                top = tl.max(tl.where(kept, key, MIN_KEY), axis=0).to(tl.int64)
+                kept &= key.to(tl.int64) >= _top_p_key(key, x, kept, m, top_p * z, lo, top, KEY_BITS)
+            restricted = tl.full((), 1, tl.int1)
+    if HAS_MIN_P:
+        kept &= tl.exp(x - m) >= min_p
+        # unless restricted already, every token below T must have exp(x - m) < min_p
+        exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
+        restricted = tl.full((), 1, tl.int1)
+    exact &= restricted | (T == MIN_KEY)  # no filter active for this row: every token races
+    score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)
+    return tl.max(tl.where(kept, _pack(score, idx), -1), axis=0), exact
+
+
+@triton.jit
+def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Slow path, exact over the whole row (passes over it from L2): top-k pivot by radix select, the max
+    and the sum of exp over the top-k set, the top-p key by binary search, then the race."""
+    bins = tl.arange(0, 256)
+    pivot = tl.full((), MIN_KEY, tl.int64)
+    if HAS_TOP_K:
+        if k < V:
+            prefix = tl.zeros((), dtype=tl.int64)
+            rank = k
+            for p in tl.static_range(KEY_BITS // 8):
+                shift = KEY_BITS - 8 * (p + 1)
+                h = tl.zeros((256,), dtype=tl.int32)
+                for off in range(0, V, BLOCK):
+                    offs = off + tl.arange(0, BLOCK)
+                    _, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
+                    sel = (offs < V) & ((ukey >> (shift + 8)) == prefix)
+                    h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
+                at_or_above = tl.cumsum(h, axis=0, reverse=True)
+                digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+                rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+                prefix = prefix * 256 + digit
+            pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
+    m = tl.full((), float("-inf"), tl.float32)
+    top = tl.full((), MIN_KEY, tl.int64)
+    for off in range(0, V, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < V
-        x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-        bad |= mask & ((x != x) | (x == float("inf")))
-        sel = mask & (key >= t0)
-        if BLOCK_SLOTS:  # reserve the block's slots with one atomic, place candidates by a prefix sum
-            n = tl.sum(sel.to(tl.int32), axis=0)
-            if n > 0:
-                slot = tl.atomic_add(count_ptr + row, n, sem="relaxed") + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, offs, mask=sel & (slot < CAP))
-        else:  # one atomic per candidate
-            slot = tl.atomic_add(count_ptr + row + offs * 0, 1, mask=sel, sem="relaxed")
-            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, offs, mask=sel & (slot < CAP))
-    if tl.max(bad.to(tl.int32), axis=0) > 0:
-        tl.atomic_max(flag_ptr + row, 1, sem="relaxed")
+        x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+        m = tl.maximum(m, tl.max(tl.where(offs < V, x, float("-inf")), axis=0))
+        top = tl.maximum(top, tl.max(tl.where(offs < V, key.to(tl.int64), MIN_KEY), axis=0))
+    t_p = pivot
+    if HAS_TOP_P:
+        if top_p < 1.0:
+            z = tl.zeros((), tl.float32)
+            for off in range(0, V, BLOCK):
+                offs = off + tl.arange(0, BLOCK)
+                x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                z += tl.sum(tl.where((offs < V) & (key.to(tl.int64) >= pivot), tl.exp(x - m), 0.0), axis=0)
+            lo = tl.maximum(pivot - 1, -1 if KEY_BITS == 16 else MIN_KEY - 1)  # 16-bit keys start at 0
+            hi = top
+            for _ in tl.static_range(KEY_BITS + 1):
+                mid = (lo + hi) >> 1
+                above = tl.zeros((), tl.float32)
+                for off in range(0, V, BLOCK):
+                    offs = off + tl.arange(0, BLOCK)
+                    x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                    k64 = key.to(tl.int64)
+                    above += tl.sum(tl.where((offs < V) & (k64 >= pivot) & (k64 > mid), tl.exp(x - m), 0.0), axis=0)
+                go_down = above < top_p * z
+                hi = tl.where(go_down & (mid > lo), mid, hi)
+                lo = tl.where(go_down, lo, mid)
+            t_p = tl.maximum(hi, pivot)
+    best = tl.full((), -1, dtype=tl.int64)
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+        kept = (offs < V) & (key.to(tl.int64) >= t_p)
+        if HAS_MIN_P:
+            kept &= tl.exp(x - m) >= min_p
+        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE)
+        best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
+    return best, m
 
 
 @triton.jit
-def _race_candidates(logits_ptr, row, temperature, k, seed, noise_ptr, cand_ptr, count, V, stride_row, CAP,
-                     HAS_NOISE: tl.constexpr, CAP_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
-    """Fast path: v_k is the k-th largest key among the candidates; the race runs over them only."""
-    j = tl.arange(0, CAP_BLOCK)
-    valid = j < count
-    offs = tl.load(cand_ptr + row.to(tl.int64) * CAP + j, mask=valid, other=0)
-    x, key = _scaled(logits_ptr, row, offs, valid, stride_row, temperature)
-    pivot = _kth_largest(key, valid, k, KEY_BITS)
-    kept = valid & (key >= pivot)
-    score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
-    return tl.max(tl.where(kept, _pack(score, offs), -1), axis=0)
-
-
-@triton.jit
-def _race_row(logits_ptr, row, temperature, k, seed, noise_ptr, V, stride_row,
-              HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Slow path: radix select of v_k over unsigned keys (key + 2**31 for fp32), one byte per pass over
-    the whole row, then the race over the row."""
+def _chunk_kth_largest(logits_ptr, row, stride_row, start, end, k, KEY_BITS: tl.constexpr, SUB: tl.constexpr,
+                       DTYPE: tl.constexpr):
+    """(k-th largest raw key of logits[row, start:end], the largest, NaN flag): radix select, one 256-bin
+    histogram per key byte, each pass a loop over SUB-token blocks (re-reads hit L1: registers stay few)."""
     bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.int64)
     rank = k
+    top = tl.full((), MIN_KEY, tl.int32)
+    nan = tl.zeros((), tl.int32)
     for p in tl.static_range(KEY_BITS // 8):
         shift = KEY_BITS - 8 * (p + 1)
         h = tl.zeros((256,), dtype=tl.int32)
-        for off in range(0, V, BLOCK):
-            offs = off + tl.arange(0, BLOCK)
-            mask = offs < V
-            _, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-            ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
+        for off in range(start, end, SUB):
+            offs = off + tl.arange(0, SUB)
+            mask = offs < end
+            raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+            key = _key_of(raw, DTYPE)
+            if p == 0:
+                top = tl.maximum(top, tl.max(tl.where(mask, key, MIN_KEY), axis=0))
+                nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
+            ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
             sel = mask & ((ukey >> (shift + 8)) == prefix)
             h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
         at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
         digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
         rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
         prefix = prefix * 256 + digit
-    pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
-    best = tl.full((), -1, dtype=tl.int64)
-    for off in range(0, V, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        mask = offs < V
-        x, key = _scaled(logits_ptr, row, offs, mask, stride_row, temperature)
-        kept = mask & (key.to(tl.int64) >= pivot)
-        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, kept, HAS_NOISE)
-        best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
-    return best
+    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32), top, nan
 
 
-@triton.jit(do_not_specialize=["top_k"])
-def _finish_kernel(
-    logits_ptr, temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
-    seed_ptr, noise_ptr, count_ptr, flag_ptr, cand_ptr, out_ptr, V, stride_row, CAP,
-    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, HAS_NOISE: tl.constexpr,
-    CAP_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """The exact k-th largest among the candidates, then the race among the kept ones; one row per CTA.
+@triton.jit
+def _chunk_threshold(logits_ptr, row, stride_row, start, end, k, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+                     DTYPE: tl.constexpr):
+    """(t, largest key, NaN flag) for logits[row, start:end] held in registers: a raw key t with
+    k <= count(key >= t) <= SLOTS where one exists (else the largest t with count >= k), by a binary search
+    on counts that stops as soon as the count fits (a few block sums; k <= the chunk's length)."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < end
+    raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+    key = tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
+    top = tl.max(key, axis=0)
+    nan = tl.max((raw != raw).to(tl.int32), axis=0)
+    lo = tl.min(tl.where(mask, key, 2**31 - 1), axis=0).to(tl.int64)  # count(>= lo) = all >= k
+    hi = top.to(tl.int64) + 1  # count(>= hi) = 0 < k
+    n = tl.sum(mask.to(tl.int32), axis=0)
+    done = n <= SLOTS
+    while (done == 0) & (hi - lo > 1):
+        mid = (lo + hi) >> 1
+        c = tl.sum((key >= mid).to(tl.int32), axis=0)
+        lo = tl.where(c >= k, mid, lo)
+        hi = tl.where(c >= k, hi, mid)
+        done = (c >= k) & (c <= SLOTS)
+    return lo.to(tl.int32), top, nan
 
-    A row whose candidates overflowed the list (flat logits, top-k near V, no top-k at all) takes the
-    exact slow path over its whole row instead: a radix select, one key byte per pass, then the race.
-    Both paths draw the same uniform for a token (Philox at row * V + token), so they sample the same.
-    """
-    row = tl.program_id(0)
-    temperature, k = _row_params(temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k, row, V,
-                                 TEMP_PER_ROW, K_PER_ROW)
-    seed = tl.load(seed_ptr)
-    count = tl.load(count_ptr + row)
-    if count <= CAP:
-        best = _race_candidates(logits_ptr, row, temperature, k, seed, noise_ptr, cand_ptr, count, V, stride_row,
-                                CAP, HAS_NOISE, CAP_BLOCK, KEY_BITS)
+
+@triton.jit
+def _scale(raw, temperature, DTYPE: tl.constexpr):
+    """x = raw / T rounded to the logits' dtype (IEEE division, as torch divides), as fp32."""
+    return tl.div_rn(raw.to(tl.float32), temperature).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+            thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr, out_ptr, C,
+            HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+            ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
+            ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Step 2 for one row: from its chunks' candidates (raw-logit keys) to the sampled token."""
+    FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
+    cc = tl.arange(0, C_BLOCK)
+    here = cc < C
+    chunks = row.to(tl.int64) * C + cc
+    bad = tl.max(tl.load(bad_ptr + chunks, mask=here, other=0, cache_modifier=".cg"), axis=0) != 0
+    raw_top = tl.max(tl.load(rmax_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
+    m = _scale(_x_of_key(raw_top, DTYPE), temperature, DTYPE)  # x is monotone in the raw logit
+    bad |= m == float("inf")  # +inf logits, or a division that overflows, as the original computes
+    if FILTERED:
+        cnt = tl.load(cnt_ptr + chunks, mask=here, other=0, cache_modifier=".cg")
+        raw_t = tl.max(tl.load(thr_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
+        exact = tl.max(cnt, axis=0) <= SLOTS  # no chunk overflowed its slots
+        # Every token with raw key >= raw_t is a candidate. In x's keys: every token whose x key is >= T,
+        # T = 1 + the key of x just below raw_t (x rounds: several raw logits can share one x).
+        lowest = 0 if KEY_BITS == 16 else MIN_KEY
+        below = _scale(_x_of_key(tl.maximum(raw_t - 1, lowest), DTYPE), temperature, DTYPE)
+        T = tl.where(raw_t > lowest, _key_of(below, DTYPE) + 1, MIN_KEY)
+        j = tl.arange(0, C_BLOCK * SLOTS)
+        n_j = tl.load(cnt_ptr + row.to(tl.int64) * C + j // SLOTS, mask=j // SLOTS < C, other=0,
+                      cache_modifier=".cg")
+        valid = (j // SLOTS < C) & (j % SLOTS < n_j)
+        cj = row.to(tl.int64) * C * SLOTS + j
+        craw = tl.load(cand_key_ptr + cj, mask=valid, other=MIN_KEY, cache_modifier=".cg")
+        cidx = tl.load(cand_idx_ptr + cj, mask=valid, other=0, cache_modifier=".cg")
+        cx = tl.where(valid, _scale(_x_of_key(craw, DTYPE), temperature, DTYPE), float("-inf"))
+        ckey = tl.where(valid, _key_of(cx, DTYPE), MIN_KEY)
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        # top-k: exact when the k-th largest candidate is >= T (then it is the row's k-th largest)
+        pivot = tl.full((), MIN_KEY, tl.int32)
+        restricted = tl.full((), 0, tl.int1)  # the kept set is known to lie at or above T
+        if HAS_TOP_K:
+            if k < V:
+                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)
+                exact &= (k <= n_valid) & (pivot >= T)
+                restricted = tl.full((), 1, tl.int1)
+        # kept so far: the top-k set, or (no top-k) every token at or above T, all candidates
+        kept = valid & (ckey >= tl.maximum(pivot, T))
+        n_kept = tl.sum(kept.to(tl.int32), axis=0)
+        z_row = 0.0
+        if ROW_SUM:  # softmax's normalizer over the whole row, from the chunks' sums
+            m_cs = tl.load(max_ptr + chunks, mask=here, other=float("-inf"), cache_modifier=".cg")
+            s_cs = tl.load(sum_ptr + chunks, mask=here, other=0.0, cache_modifier=".cg")
+            z_row = tl.sum(tl.where(m_cs > float("-inf"), s_cs * tl.exp(m_cs - m), 0.0), axis=0)
+        if n_kept <= KEPT_BLOCK:  # usual case: move the kept tokens into a small block
+            kslot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            own = row.to(tl.int64) * C * SLOTS + kslot  # the row's own slots: read already
+            tl.debug_barrier()
+            tl.store(cand_key_ptr + own, craw, mask=kept)
+            tl.store(cand_idx_ptr + own, cidx, mask=kept)
+            tl.debug_barrier()
+            i = tl.arange(0, KEPT_BLOCK)
+            small = i < n_kept
+            at_i = row.to(tl.int64) * C * SLOTS + i
+            kraw = tl.load(cand_key_ptr + at_i, mask=small, other=MIN_KEY, cache_modifier=".cg")
+            kidx = tl.load(cand_idx_ptr + at_i, mask=small, other=0, cache_modifier=".cg")
+            kx = tl.where(small, _scale(_x_of_key(kraw, DTYPE), temperature, DTYPE), float("-inf"))
+            kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
+            best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
+                                           seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, True,
+                                           KEY_BITS, DTYPE)
+        else:
+            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
+                                           seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
+                                           KEY_BITS, DTYPE)
+        if not exact:
+            best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
+                                  noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
     else:
-        best = _race_row(logits_ptr, row, temperature, k, seed, noise_ptr, V, stride_row, HAS_NOISE, KEY_BITS, BLOCK)
-    # A NaN or +inf anywhere makes the original softmax all-NaN (inf - inf, NaN sum) and its argmax token 0.
-    token = tl.where(tl.load(flag_ptr + row) != 0, 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+        best = tl.max(tl.load(best_ptr + chunks, mask=here, other=-1, cache_modifier=".cg"), axis=0)
+    # NaN or +inf anywhere, or no finite logit: the original softmax is all NaN, its argmax token 0.
+    token = tl.where(bad | (m == float("-inf")), 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.store(out_ptr + row, token)
 
 
+@triton.jit(do_not_specialize=["top_k"])  # a new top-k value must not compile a new variant
+def _sample_kernel(
+    logits_ptr, V, stride_row,
+    temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
+    topp_ptr, top_p, stride_p, minp_ptr, min_p, stride_m,
+    seed_ptr, noise_ptr,
+    thr_ptr, cnt_ptr, rmax_ptr, bad_ptr, max_ptr, sum_ptr, best_ptr,  # per chunk [B, C]
+    cand_key_ptr, cand_idx_ptr,  # per chunk slot [B, C, SLOTS]
+    ticket_ptr, out_ptr, C,
+    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, CHUNKS: tl.constexpr, SUB: tl.constexpr, SEARCH: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
+):
+    """CHUNKS: step 1 for chunk (row, program 1); FINISH: step 2 for the row (program 0). Both: the last
+    chunk of a row to get here (a ticket counter) finishes it, in one launch; FINISH only: a second launch
+    of one program per row (many rows: the chunk launch then keeps few registers and runs more CTAs)."""
+    row = tl.program_id(0)
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
+    k = tl.minimum(tl.maximum(_row_param(topk_ptr, top_k, stride_k, row, K_PER_ROW, tl.int32), 1), V)
+    top_p = _row_param(topp_ptr, top_p, stride_p, row, P_PER_ROW, tl.float32)
+    min_p = _row_param(minp_ptr, min_p, stride_m, row, M_PER_ROW, tl.float32)
+    FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
+    seed = tl.load(seed_ptr)
+    if CHUNKS:
+        # ---- 1. this chunk, on raw-logit keys (x = logits / T is monotone in them: no division per
+        # token): its candidates (the tokens with key >= its k_c-th largest), max key, NaN flag
+        chunk = tl.program_id(1)
+        at = row * C + chunk
+        start = chunk * BLOCK
+        end = tl.minimum(start + BLOCK, V)
+        if FILTERED:
+            if HAS_TOP_K:
+                k_c = tl.minimum(k, SLOTS)
+            else:
+                k_c = tl.full((), SLOTS, tl.int32)
+            if SEARCH:  # any t with k_c <= count(>= t) <= SLOTS keeps step 2 exact (docstring)
+                t_c, top, nan = _chunk_threshold(logits_ptr, row, stride_row, start, end, tl.minimum(k_c, end - start),
+                                                 SLOTS, BLOCK, DTYPE)
+            else:  # the exact k_c-th largest
+                t_c, top, nan = _chunk_kth_largest(logits_ptr, row, stride_row, start, end,
+                                                   tl.minimum(k_c, end - start), KEY_BITS, SUB, DTYPE)
+            t_c = tl.where(end - start > k_c, t_c, MIN_KEY)
+            n_sel = tl.zeros((), tl.int32)
+            m_run = tl.full((), float("-inf"), tl.float32)
+            s_run = tl.zeros((), tl.float32)
+            for off in range(start, end, SUB):
+                offs = off + tl.arange(0, SUB)
+                mask = offs < end
+                raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+                rkey = _key_of(raw, DTYPE)
+                sel = mask & (rkey >= t_c)
+                slot = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                put = sel & (slot < SLOTS)
+                base = at.to(tl.int64) * SLOTS + slot
+                tl.store(cand_key_ptr + base, rkey, mask=put)
+                tl.store(cand_idx_ptr + base, offs, mask=put)
+                n_sel += tl.sum(sel.to(tl.int32), axis=0)
+                if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's softmax sum, online
+                    x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
+                    m_new = tl.maximum(m_run, tl.max(x, axis=0))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0
+                    s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+                    m_run = m_new
+            tl.store(thr_ptr + at, t_c)
+            tl.store(cnt_ptr + at, n_sel)
+            if ROW_SUM:
+                tl.store(max_ptr + at, m_run)
+                tl.store(sum_ptr + at, s_run)
+        else:  # temperature only: the race over the whole chunk
+            top = tl.full((), MIN_KEY, tl.int32)
+            nan = tl.zeros((), tl.int32)
+            win = tl.full((), -1, tl.int64)
+            for off in range(start, end, SUB):
+                offs = off + tl.arange(0, SUB)
+                mask = offs < end
+                raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+                top = tl.maximum(top, tl.max(tl.where(mask, _key_of(raw, DTYPE), MIN_KEY), axis=0))
+                nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
+                score = _gumbel_score(_scale(raw, temperature, DTYPE), seed, row, offs, V, noise_ptr, HAS_NOISE)
+                win = tl.maximum(win, tl.max(tl.where(mask, _pack(score, offs), -1), axis=0))
+            tl.store(best_ptr + at, win)
+        tl.store(bad_ptr + at, nan)
+        tl.store(rmax_ptr + at, top)
+        if FINISH:  # ---- 2. in the same launch: the last chunk of the row to get here finishes it
+            tl.debug_barrier()  # every thread's stores happen before the release below
+            ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if ticket == C - 1:
+                _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+                        thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr,
+                        out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
+                        KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
+                tl.atomic_xchg(ticket_ptr + row, 0, sem="relaxed")  # ready for the next launch (no memset)
+    else:
+        _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+                thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr,
+                out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
+                KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
+
+
 # ----------------------------------------------------------------------------- launcher
+
+_tickets_lock = threading.Lock()
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket_counters(B: int, device: torch.device) -> torch.Tensor:
+    """Per-row ticket counters, zero between launches (the finishing CTA resets its row's), kept per
+    device so that a launch needs no memset. Inside a CUDA-graph capture with no buffer large enough, a
+    zeroed buffer is allocated in the graph (its memset replays with it). Launches of the sampler on two
+    streams of one device at once would share counters: not supported."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        buf = _tickets.get(device)
+        return buf if buf is not None and buf.numel() >= B else torch.zeros(B, dtype=torch.int32, device=device)
+    with _tickets_lock:
+        buf = _tickets.get(device)
+        if buf is None or buf.numel() < B:
+            buf = torch.zeros(max(B, 1024), dtype=torch.int32, device=device)
+            if device.type == "cuda":
+                _tickets[device] = buf
+    return buf
 
 
 def _row_arg(value, B: int, device, what: str, cast):
@@ -280,76 +552,111 @@ def _row_arg(value, B: int, device, what: str, cast):
     if not isinstance(value, torch.Tensor):
         return None, 0, cast(value)
     if value.numel() not in (1, B):
-        raise ValueError(f"sample_top_k: {what} must be a number or hold 1 or B={B} values, "
-                         f"got shape {tuple(value.shape)}")
+        raise ValueError(f"sample: {what} must be a number or hold 1 or B={B} values, got shape {tuple(value.shape)}")
     if value.numel() == 1 and value.device.type == "cpu" and device.type != "cpu":
         return None, 0, cast(value.item())
     if value.device != device:
-        raise ValueError(f"sample_top_k: {what} is on {value.device}, logits on {device}")
+        raise ValueError(f"sample: {what} is on {value.device}, logits on {device}")
     flat = value.reshape(-1)
     return flat, (flat.stride(0) if flat.numel() > 1 else 0), cast(1)
 
 
-def sample_top_k_triton(
+def _clamp_k(k) -> int:
+    return int(min(max(k, 1), 2**31 - 1))
+
+
+def sample_triton(
     logits: torch.Tensor,
-    temperature: float | torch.Tensor,
-    top_k: int | torch.Tensor,
-    seed: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
     *,
+    seed: torch.Tensor,
     noise: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    block: int = 2048,
-    capacity: int | None = None,
+    block: int | None = None,
+    slots: int | None = None,
+    warps: int | None = None,
+    fused: bool | None = None,
+    sub: int | None = None,
+    threshold: str = "search",
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
-    ``temperature`` > 0 and ``top_k`` (clamped to [1, V]) are numbers or tensors of 1 or B values
-    (numbers are kernel arguments: changing them neither recompiles nor launches a fill); ``seed`` is an
-    int64 tensor of one element (draw it from torch's generator: ``torch.randint`` reproduces under
-    ``torch.manual_seed`` and advances on every CUDA-graph replay). Runs on CUDA, and on CPU under
-    TRITON_INTERPRET=1. ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so the
-    result can be compared exactly with the reference given the same draws. ``capacity``: candidate
-    slots per row (tests force the slow path with a small one).
+    ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None or >= 1:
+    none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
+    arguments: changing them neither recompiles nor launches a fill). ``seed``: an int64 tensor of one
+    element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
+    advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
+    ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
+    compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
+    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
+    ``fused``: finish each row in the chunk launch (True) or in a second launch (False); ``threshold``:
+    a chunk's candidate threshold by a binary search on counts ("search") or an exact radix select
+    ("radix"); ``sub``: tokens per step of the radix select's loop.
     """
     if logits.dim() != 2:
-        raise ValueError(f"sample_top_k: logits must be [B, V], got shape {tuple(logits.shape)}")
+        raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"sample_top_k: logits must be bf16/fp16/fp32, got {logits.dtype}")
+        raise TypeError(f"sample: logits must be bf16/fp16/fp32, got {logits.dtype}")
     if seed.numel() != 1 or seed.dtype != torch.int64:
-        raise ValueError(f"sample_top_k: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
+        raise ValueError(f"sample: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     elif out.shape != (B,) or out.dtype != torch.int64:
-        raise ValueError(f"sample_top_k: out must be int64 ({B},), got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"sample: out must be int64 ({B},), got {out.dtype} {tuple(out.shape)}")
     if B == 0:
         return out
     if V == 0:
-        raise ValueError("sample_top_k: cannot sample from an empty vocabulary (V == 0)")
+        raise ValueError("sample: cannot sample from an empty vocabulary (V == 0)")
     if V >= 2**31 // 2:
-        raise ValueError(f"sample_top_k: V = {V} is too large for 32-bit token offsets")
+        raise ValueError(f"sample: V = {V} is too large for 32-bit token offsets")
     if noise is not None and (noise.shape != (B, V) or noise.dtype != torch.float32 or not noise.is_contiguous()):
-        raise ValueError(f"sample_top_k: noise must be contiguous float32 {(B, V)}")
+        raise ValueError(f"sample: noise must be contiguous float32 {(B, V)}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    temp, stride_t, t_scalar = _row_arg(temperature, B, logits.device, "temperature", float)
-    topk, stride_k, k_scalar = _row_arg(top_k, B, logits.device, "top_k", lambda k: int(min(max(k, 1), 2**31 - 1)))
-    cap = capacity or candidate_capacity(V, None if topk is not None else k_scalar)
-    C, span = row_split(B, V, sm_count(logits.device), block)
-    key_bits = 32 if logits.dtype == torch.float32 else 16
-    ints = torch.empty((3, B), dtype=torch.int32, device=logits.device)  # threshold, count, flag per row
-    cand = torch.empty((B, cap), dtype=torch.int32, device=logits.device)
-    temp_arg = (temp if temp is not None else logits, t_scalar, stride_t)
-    k_arg = (topk if topk is not None else logits, k_scalar, stride_k)
-    _threshold_kernel[(B,)](logits, *temp_arg, *k_arg, ints[0], ints[1], ints[2], V, logits.stride(0),
-                            max(1, V // sample_size(V)), TEMP_PER_ROW=temp is not None,
-                            K_PER_ROW=topk is not None, SAMPLE=sample_size(V), KEY_BITS=key_bits, num_warps=8)
-    _collect_kernel[(B, C)](logits, *temp_arg, ints[0], ints[1], ints[2], cand, V, span, logits.stride(0), cap,
-                            TEMP_PER_ROW=temp is not None, BLOCK_SLOTS=block_slots(B), BLOCK=block, num_warps=8)
-    _finish_kernel[(B,)](logits, *temp_arg, *k_arg, seed, noise if noise is not None else cand, ints[1], ints[2],
-                         cand, out, V, logits.stride(0), cap, TEMP_PER_ROW=temp is not None,
-                         K_PER_ROW=topk is not None, HAS_NOISE=noise is not None, CAP_BLOCK=triton.next_power_of_2(cap),
-                         KEY_BITS=key_bits, BLOCK=block, num_warps=8)
+    dev = logits.device
+    temp, stride_t, t_scalar = _row_arg(temperature, B, dev, "temperature", float)
+    has_k = top_k is not None and (isinstance(top_k, torch.Tensor) or top_k < V)
+    has_p = top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0)
+    has_m = min_p is not None and (isinstance(min_p, torch.Tensor) or min_p > 0.0)
+    topk, stride_k, k_scalar = _row_arg(top_k if has_k else V, B, dev, "top_k", _clamp_k)
+    topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
+    minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
+    block = block or chunk_block(B, V)
+    slots = slots or slots_for(k_scalar if has_k and topk is None else None)
+    fused = fused_finish(B) if fused is None else fused
+    C = triton.cdiv(V, block)
+    i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
+    f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
+    best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
+    n_cand = B * C * slots if (has_k or has_p or has_m) else 1
+    cand = torch.empty((2, n_cand), dtype=torch.int32, device=dev)  # raw key, token per candidate slot
+    args = (
+        logits, V, logits.stride(0),
+        temp if temp is not None else f32, t_scalar, stride_t,
+        topk if topk is not None else i32, k_scalar, stride_k,
+        topp if topp is not None else f32, p_scalar, stride_p,
+        minp if minp is not None else f32, m_scalar, stride_m,
+        seed, noise if noise is not None else f32,
+        i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand[0], cand[1],
+        _ticket_counters(B, dev) if fused else i32, out, C,
+    )
+    meta = dict(
+        TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
+        M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
+        HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
+        C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=min(2048, block),
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub or SUB, triton.next_power_of_2(block)),
+        SEARCH=threshold == "search",
+    )
+    if fused:
+        _sample_kernel[(B, C)](*args, FINISH=True, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block))
+    else:
+        _sample_kernel[(B, C)](*args, FINISH=False, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block))
+        _sample_kernel[(B,)](*args, FINISH=True, CHUNKS=False, **meta, num_warps=8)
     return out
 
 
@@ -357,106 +664,170 @@ def sample_top_k_triton(
 
 
 def aot_builds():
-    """The sampler's kernels at V = 128256, B = 1, top-k 50, scalar temperature, bf16 and fp32 logits.
-    Their loops carry only scalars across iterations: they have no rematerialization modes."""
+    """The sampler at V = 128256, top-k 50 + top-p 0.9, scalar temperature, as launched: B = 1 (one fused
+    launch; bf16 and fp32) and B = 256 (chunk launch, then finish launch). Its loops carry only scalars
+    across iterations: no rematerialization modes."""
     from fusekern.kernels.catalog import TritonBuild
 
-    B, V, block, k = 1, 128256, 2048, 50
-    _, span = row_split(B, V, 132, block)
-    cap = candidate_capacity(V, k)
+    V, k = 128256, 50
     builds = []
-    for dtype, key_bits in (("bf16", 16), ("fp32", 32)):
-        temp = dict(logits_ptr=f"*{dtype}", temp_ptr=f"*{dtype}", temperature=0.8, stride_t=0)
-        topk = dict(topk_ptr=f"*{dtype}", top_k=k, stride_k=0)
-        rows = dict(count_ptr="*i32", flag_ptr="*i32", V=V, stride_row=V)
-        builds.append(TritonBuild(
-            "sampler_threshold", f"{dtype} SAMPLE={SAMPLE} w8", _threshold_kernel,
-            dict(temp, **topk, thr_ptr="*i32", **rows, step=V // SAMPLE),
-            dict(TEMP_PER_ROW=False, K_PER_ROW=False, SAMPLE=SAMPLE, KEY_BITS=key_bits), num_warps=8))
-        builds.append(TritonBuild(
-            "sampler_collect", f"{dtype} BLOCK={block} w8", _collect_kernel,
-            dict(temp, thr_ptr="*i32", cand_ptr="*i32", span=span, CAP=cap, **rows),
-            dict(TEMP_PER_ROW=False, BLOCK_SLOTS=block_slots(B), BLOCK=block), num_warps=8))
-        builds.append(TritonBuild(
-            "sampler_finish", f"{dtype} CAP={cap} BLOCK={block} w8", _finish_kernel,
-            dict(temp, **topk, seed_ptr="*i64", noise_ptr="*i32", cand_ptr="*i32", out_ptr="*i64", CAP=cap, **rows),
-            dict(TEMP_PER_ROW=False, K_PER_ROW=False, HAS_NOISE=False, CAP_BLOCK=cap, KEY_BITS=key_bits,
-                 BLOCK=block), num_warps=8))
+    for B, dtype, key_bits in ((1, "bf16", 16), (1, "fp32", 32), (256, "bf16", 16)):
+        block, slots = chunk_block(B, V), slots_for(k)
+        C = triton.cdiv(V, block)
+        args = dict(
+            logits_ptr=f"*{dtype}", V=V, stride_row=V,
+            temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
+            topp_ptr="*fp32", top_p=0.9, stride_p=0, minp_ptr="*fp32", min_p=0.0, stride_m=0,
+            seed_ptr="*i64", noise_ptr="*fp32", thr_ptr="*i32", cnt_ptr="*i32", rmax_ptr="*i32", bad_ptr="*i32",
+            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_key_ptr="*i32", cand_idx_ptr="*i32",
+            ticket_ptr="*i32", out_ptr="*i64", C=C)
+        constexprs = dict(
+            TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
+            HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots,
+            C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=2048, KEY_BITS=key_bits,
+            SUB=SUB, SEARCH=True)
+        config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
+        if fused_finish(B):
+            builds.append(TritonBuild("sampler_fused", config, _sample_kernel, args,
+                                      dict(constexprs, FINISH=True, CHUNKS=True), num_warps=chunk_warps(block)))
+        else:
+            builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args,
+                                      dict(constexprs, FINISH=False, CHUNKS=True), num_warps=chunk_warps(block)))
+            builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args,
+                                      dict(constexprs, FINISH=True, CHUNKS=False), num_warps=8))
     return builds
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def sample_top_k_reference(logits, temperature, top_k, q: torch.Tensor) -> torch.Tensor:
-    """The gpt-fast chain in float64 with given exponential noise ``q`` [B, V] (the race's draws).
+def _per_row(value, B, default, dtype):
+    if value is None:
+        value = default
+    t = value if isinstance(value, torch.Tensor) else torch.tensor([value])
+    return t.reshape(-1).cpu().to(dtype).expand(B)
 
-    x is rounded to the logits' dtype after the division, as the original graph does; the mask keeps
-    ties with the k-th largest; a row containing NaN or +inf gives token 0 (the original's softmax is all
-    NaN there, and argmax returns the first NaN).
+
+def kept_mask(x: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Which tokens of x [B, V] (float64) the filters keep, by their definition (module docstring):
+    top-k with ties, then top-p as mass(x > x_i) < p over the top-k softmax, then min-p."""
+    B, V = x.shape
+    k = _per_row(top_k, B, V, torch.int64).clamp(1, V)
+    p = _per_row(top_p, B, 1.0, torch.float64)
+    mp = _per_row(min_p, B, 0.0, torch.float64)
+    kept = torch.ones_like(x, dtype=torch.bool)
+    for b in range(B):
+        row = x[b]
+        if k[b] < V:
+            kept[b] &= row >= row.topk(int(k[b])).values[-1]
+        m = row.max()
+        e = torch.where(kept[b], torch.exp(row - m), 0.0)
+        if p[b] < 1:  # mass_gt[i] = sum of e[j] over x[j] > x[i]: the mass before i's tie group, sorted
+            xs, order = row.sort(descending=True)
+            es = e[order]
+            first = torch.searchsorted(-xs, -xs, side="left")
+            mass_gt = torch.empty_like(row).scatter_(0, order, (es.cumsum(0) - es)[first])
+            kept[b] &= (mass_gt < p[b] * e.sum()) | (mass_gt == 0)  # the top group stays, even for p = 0
+        if mp[b] > 0:
+            kept[b] &= torch.exp(row - m) >= mp[b]
+    return kept
+
+
+def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, q: torch.Tensor):
+    """The sampler in float64 with given exponential noise ``q`` [B, V] (the race's draws).
+
+    x is rounded to the logits' dtype after the division, as the original graph does; a row containing
+    NaN or +inf, or no finite logit, gives token 0 (the original's softmax is all NaN there, and argmax
+    returns the first NaN).
     """
     B, V = logits.shape
     temp = temperature if isinstance(temperature, torch.Tensor) else torch.tensor([temperature])
     temp = temp.reshape(-1, 1).to(torch.float32).cpu()  # [1, 1] or [B, 1]
     x = (logits.cpu().float() / temp).to(logits.dtype).double()
-    k = top_k if isinstance(top_k, torch.Tensor) else torch.tensor([top_k])
-    k = k.reshape(-1).cpu().long().clamp(1, V).expand(B)
-    pivot = torch.stack([x[b].topk(int(k[b])).values[-1] for b in range(B)]).unsqueeze(-1)
-    masked = torch.where(x < pivot, float("-inf"), x)
-    probs = torch.softmax(masked, dim=-1)
+    bad = (torch.isnan(x) | (x == float("inf"))).any(-1) | (x == float("-inf")).all(-1)
+    xs = torch.where(torch.isnan(x), 0.0, x).clamp(max=1e300)
+    kept = kept_mask(xs, top_k, top_p, min_p)
+    probs = torch.softmax(torch.where(kept, xs, float("-inf")), dim=-1)
     tokens = torch.argmax(probs / q.cpu().double(), dim=-1)
-    return torch.where((torch.isnan(x) | (x == float("inf"))).any(-1), 0, tokens)
+    return torch.where(bad, 0, tokens)
 
 
-def sample_top_k_torch(logits, temperature, top_k, seed: torch.Tensor) -> torch.Tensor:
+def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed: torch.Tensor):
     """The same sampler in plain PyTorch (fp32), noise from a generator seeded by ``seed``: the CPU path."""
     B, V = logits.shape
     g = torch.Generator(device=logits.device).manual_seed(int(seed.reshape(-1)[0]))
     q = torch.empty((B, V), dtype=torch.float32, device=logits.device).exponential_(1, generator=g)
     temp = temperature.reshape(-1, 1).float() if isinstance(temperature, torch.Tensor) else float(temperature)
     x = (logits.float() / temp).to(logits.dtype).float()
-    k = top_k.reshape(-1, 1).long() if isinstance(top_k, torch.Tensor) else torch.tensor([[top_k]])
-    k = k.clamp(1, V).to(logits.device).expand(B, 1)
-    pivot = x.topk(int(k.max()), dim=-1).values.gather(-1, k - 1)
-    score = torch.where(x < pivot, float("-inf"), x) - torch.log(q)
-    tokens = torch.argmax(score, dim=-1)
-    return torch.where((torch.isnan(x) | (x == float("inf"))).any(-1), 0, tokens)
+    bad = (torch.isnan(x) | (x == float("inf"))).any(-1, keepdim=True) | (x == float("-inf")).all(-1, keepdim=True)
+    x = torch.where(bad, 0.0, x)
+    xs, order = x.sort(dim=-1, descending=True)
+    kept_s = torch.ones_like(xs, dtype=torch.bool)
+    if top_k is not None:
+        k = _per_row(top_k, B, V, torch.int64).clamp(1, V).to(x.device).reshape(B, 1)
+        kept_s &= xs >= xs.gather(-1, k - 1)
+    m = xs[:, :1]
+    e = torch.where(kept_s, torch.exp(xs - m), 0.0)
+    if top_p is not None:
+        p = _per_row(top_p, B, 1.0, torch.float32).to(x.device).reshape(B, 1)
+        before = e.cumsum(-1) - e  # mass of the tokens sorted before each one
+        first = torch.searchsorted(-xs, -xs, side="left")  # ties: the mass strictly greater
+        above = before.gather(-1, first)
+        kept_s &= (above < p * e.sum(-1, keepdim=True)) | (above == 0) | (p >= 1)
+    if min_p is not None:
+        mp = _per_row(min_p, B, 0.0, torch.float32).to(x.device).reshape(B, 1)
+        kept_s &= torch.exp(xs - m) >= mp
+    kept = torch.empty_like(kept_s).scatter_(-1, order, kept_s)
+    score = torch.where(kept, x, float("-inf")) - torch.log(q)
+    return torch.where(bad.squeeze(-1), 0, torch.argmax(score, dim=-1))
 
 
 # ----------------------------------------------------------------------------- custom op
 # Plain dispatcher API (define + per-device impl + fake), as for w8a16_linear: custom_op's Python
 # wrappers cost more CPU per call than this kernel runs. Inference only (no autograd kernel).
+# A parameter is a tensor (1 or B values) or a scalar; the scalar's "none" values: top_k >= V,
+# top_p >= 1, min_p <= 0.
 
 torch.library.define(
-    "fusekern::sample_top_k",
+    "fusekern::sample",
     "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? top_k, SymInt top_k_scalar, "
-    "Tensor seed) -> Tensor",
+    "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor seed) -> Tensor",
 )
 
-
-def _unpack(temperature, temperature_scalar, top_k, top_k_scalar):
-    return (temperature if temperature is not None else temperature_scalar,
-            top_k if top_k is not None else top_k_scalar)
+NO_TOP_K = 2**31 - 1
 
 
-@torch.library.impl("fusekern::sample_top_k", "CUDA")
-def _sample_top_k_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, seed):
-    """One token per row: temperature -> top-k -> softmax -> exponential race, fused."""
-    t, k = _unpack(temperature, temperature_scalar, top_k, top_k_scalar)
-    return sample_top_k_triton(logits, t, k, seed)
+def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar, min_p, min_p_scalar):
+    V = logits.shape[-1]
+    return dict(
+        temperature=temperature if temperature is not None else temperature_scalar,
+        top_k=top_k if top_k is not None else (top_k_scalar if top_k_scalar < V else None),
+        top_p=top_p if top_p is not None else (top_p_scalar if top_p_scalar < 1.0 else None),
+        min_p=min_p if min_p is not None else (min_p_scalar if min_p_scalar > 0.0 else None),
+    )
 
 
-@torch.library.impl("fusekern::sample_top_k", "CPU")
-def _sample_top_k_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, seed):
-    t, k = _unpack(temperature, temperature_scalar, top_k, top_k_scalar)
-    return sample_top_k_torch(logits, t, k, seed)
+@torch.library.impl("fusekern::sample", "CUDA")
+def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
+                 min_p, min_p_scalar, seed):
+    """One token per row: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, fused."""
+    return sample_triton(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
+                                           top_p_scalar, min_p, min_p_scalar), seed=seed)
 
 
-@torch.library.register_fake("fusekern::sample_top_k")
-def _sample_top_k_fake(logits, temperature, temperature_scalar, top_k, top_k_scalar, seed):
+@torch.library.impl("fusekern::sample", "CPU")
+def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
+                min_p, min_p_scalar, seed):
+    return sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
+                                          top_p_scalar, min_p, min_p_scalar), seed=seed)
+
+
+@torch.library.register_fake("fusekern::sample")
+def _sample_fake(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
+                 min_p, min_p_scalar, seed):
     if logits.dim() != 2:
-        raise ValueError(f"sample_top_k: logits must be [B, V], got shape {tuple(logits.shape)}")
+        raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
-sample_top_k = torch.ops.fusekern.sample_top_k
+sample = torch.ops.fusekern.sample

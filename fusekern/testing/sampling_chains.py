@@ -32,3 +32,93 @@ def hf_top_k(scores: torch.Tensor, temperature: float = 0.9, top_k: int = 6) -> 
     scores = scores.masked_fill(indices_to_remove, -float("inf"))
     probs = torch.softmax(scores, dim=-1)
     return (probs / -torch.log(torch.rand_like(probs))).argmax(dim=-1)
+
+
+# -- Hugging Face's logits warpers (transformers/generation/logits_process.py), in generate()'s order ----
+
+
+def hf_repetition_penalty(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """RepetitionPenaltyLogitsProcessor: the previous tokens' scores divided (> 0) or multiplied (< 0)."""
+    score = torch.gather(scores, 1, input_ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.scatter(1, input_ids, score)
+
+
+def hf_top_k_warper(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    top_k = min(top_k, scores.size(-1))
+    indices_to_remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
+    return scores.masked_fill(indices_to_remove, -float("inf"))
+
+
+def hf_top_p_warper(scores: torch.Tensor, top_p) -> torch.Tensor:
+    """TopPLogitsWarper with min_tokens_to_keep = 1; ``top_p`` a number or a tensor (one value, [B, 1])."""
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_indices_to_remove = cumulative_probs <= (1 - top_p)
+    sorted_indices_to_remove[..., -1:] = 0
+    indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+    return scores.masked_fill(indices_to_remove, -float("inf"))
+
+
+def hf_min_p_warper(scores: torch.Tensor, min_p, keep_step: bool = True) -> torch.Tensor:
+    """MinPLogitsWarper as transformers writes it today (min_tokens_to_keep = 1: the topk/scatter step);
+    ``keep_step=False``: the bare rule, as other stacks write it."""
+    probs = torch.softmax(scores, dim=-1)
+    top_probs = probs.amax(dim=-1, keepdim=True)
+    scaled_min_p = min_p * top_probs
+    tokens_to_remove = probs < scaled_min_p
+    if keep_step:
+        sorted_indices = torch.topk(probs, min(1, probs.shape[-1]), dim=-1).indices
+        tokens_to_remove.scatter_(-1, sorted_indices, False)
+    return scores.masked_fill(tokens_to_remove, -float("inf"))
+
+
+def hf_warpers(scores: torch.Tensor, temperature=None, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """The warpers generate() builds for these settings (None: not used), applied in its order."""
+    if temperature is not None:
+        scores = scores / temperature
+    if top_k is not None:
+        scores = hf_top_k_warper(scores, top_k)
+    if top_p is not None:
+        scores = hf_top_p_warper(scores, top_p)
+    if min_p is not None:
+        scores = hf_min_p_warper(scores, min_p)
+    return scores
+
+
+def hf_sample(scores: torch.Tensor, temperature=None, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Hugging Face's sampling step: the warpers, softmax, ``torch.multinomial``; a token per row."""
+    probs = torch.softmax(hf_warpers(scores, temperature, top_k, top_p, min_p), dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+# -- vLLM's v1 sampler (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py), per-row parameters ---------
+
+
+def vllm_apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """``apply_top_k_top_p``'s sort path: k int [B], p float [B]. (With p None vLLM takes a topk path whose
+    k.max() is data-dependent; not written here.) May update ``logits`` in place, as vLLM does."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        top_k_mask = logits_sort.size(1) - k.to(torch.long)
+        top_k_mask = logits_sort.gather(1, top_k_mask.unsqueeze(dim=1))
+        top_k_mask = logits_sort < top_k_mask
+        logits_sort.masked_fill_(top_k_mask, -float("inf"))
+    if p is not None:
+        probs_sort = logits_sort.softmax(dim=-1)
+        probs_sum = torch.cumsum(probs_sort, dim=-1, out=probs_sort)
+        top_p_mask = probs_sum <= 1 - p.unsqueeze(dim=1)
+        top_p_mask[:, -1] = False  # at least one token
+        logits_sort.masked_fill_(top_p_mask, -float("inf"))
+    return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def vllm_sample(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Tensor | None,
+                p: torch.Tensor | None) -> torch.Tensor:
+    """Temperature (in place, as vLLM's ``apply_temperature``), top-k / top-p, then ``random_sample``'s
+    exponential race; int64 [B]. Mutates ``logits``."""
+    logits = logits.div_(temperature.unsqueeze(dim=1))
+    logits = vllm_apply_top_k_top_p(logits, k, p)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    q = torch.empty_like(probs).exponential_()
+    return probs.div_(q).argmax(dim=-1).view(-1)
