@@ -71,7 +71,11 @@ def kept_block(slots: int) -> int:
     return min(slots, 128)
 
 
-def chunk_warps(block: int) -> int:
+def chunk_warps(block: int, fused: bool) -> int:
+    """Warps of a chunk's CTA. A fused launch (chunk + finish) takes 16: at 8, ptxas holds it to 128
+    registers and it spills (36 B bf16, 152 B fp32; `python -m fusekern.kernels.report`)."""
+    if fused:
+        return 16
     return 4 if block <= 2048 else 8
 
 
@@ -653,9 +657,9 @@ def sample_triton(
         SEARCH=threshold == "search",
     )
     if fused:
-        _sample_kernel[(B, C)](*args, FINISH=True, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block))
+        _sample_kernel[(B, C)](*args, FINISH=True, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block, True))
     else:
-        _sample_kernel[(B, C)](*args, FINISH=False, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block))
+        _sample_kernel[(B, C)](*args, FINISH=False, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block, False))
         _sample_kernel[(B,)](*args, FINISH=True, CHUNKS=False, **meta, num_warps=8)
     return out
 
@@ -689,10 +693,10 @@ def aot_builds():
         config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
         if fused_finish(B):
             builds.append(TritonBuild("sampler_fused", config, _sample_kernel, args,
-                                      dict(constexprs, FINISH=True, CHUNKS=True), num_warps=chunk_warps(block)))
+                                      dict(constexprs, FINISH=True, CHUNKS=True), num_warps=chunk_warps(block, True)))
         else:
             builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args,
-                                      dict(constexprs, FINISH=False, CHUNKS=True), num_warps=chunk_warps(block)))
+                                      dict(constexprs, FINISH=False, CHUNKS=True), num_warps=chunk_warps(block, False)))
             builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args,
                                       dict(constexprs, FINISH=True, CHUNKS=False), num_warps=8))
     return builds

@@ -32,7 +32,7 @@ another set), when an intermediate (the probabilities, a mask) is used outside t
 it would have to be computed anyway), when top-k is not a positive int, when top-p compares
 ``cumsum < 1 - p`` (it keeps a token whose cumsum equals 1 - p, the kernel drops it as HF and vLLM do),
 sorts descending, or keeps more than one token (min_tokens_to_keep > 1), when a constant top-p is <= 0
-(Hugging Face keeps the most likely token there; the op keeps none and returns token 0),
+(Hugging Face keeps exactly one token there, the last of its sort; the op keeps the whole top tie group),
 when min-p's probabilities are not the softmax of the tensor it masks, when min-p's keep-the-top step
 comes with a min_p that is not a constant <= 1 (only then is it provably a no-op), when the
 temperature promotes the logits to another dtype, or when the logits are not bf16/fp16/fp32 on CPU/CUDA.
@@ -302,7 +302,7 @@ def _top_p_threshold(m: Node) -> tuple[float | Node, list[Node], Node]:
     threshold = m.args[1]
     if isinstance(threshold, (int, float)):
         p = 1.0 - threshold
-        if not p > 0:  # keeps only the last sorted token: greedy, which the sampler's top-p does not do
+        if not p > 0:  # keeps one token, the last of the sort: the op would keep the whole top tie group
             raise Decline(f"top-p {p} is not > 0")
         return p, nodes, s
     p, minus_nodes = _one_minus(threshold)
