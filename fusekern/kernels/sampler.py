@@ -1,4 +1,4 @@
-"""Fused sampler: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, one launch.
+"""Fused sampler: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, two launches.
 
 ``tokens[b] = argmax_i over kept i of p_i / q_i`` with ``p = softmax(x)``, ``q ~ Exp(1)`` and
 ``x = logits[b] / T[b]`` rounded to the logits' dtype (as the graph being replaced computes it). Kept, in
@@ -15,8 +15,8 @@ No sort and one read of the row. The row is cut into chunks, one CTA each, a chu
    are of the raw logits: x = logits / T is monotone in them, so no token is divided in this pass.
    Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
    holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= SLOTS.
-2. The last CTA of the row to finish (a ticket counter) reads the row's candidates and takes the exact
-   top-k pivot, the top-p threshold (binary search over keys on the candidates' mass), the min-p bound and
+2. A second launch, one CTA per row, reads the row's candidates and takes the exact
+   top-k pivot, the top-p threshold (pairwise mass over the kept tokens), the min-p bound and
    the race (Philox uniform per (row, token), Gumbel score ``x - log q``: the normalizer does not change
    the argmax). Each step is exact when what it keeps lies at or above T, which it checks; a row where it
    does not hold (ties overflowing a chunk's slots, top-k beyond the slots, top-p / min-p sets reaching
@@ -26,8 +26,6 @@ Comparisons use an order-preserving integer key of x (16 bits for bf16/fp16, 32 
 Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> reference -> custom op.
 """
 from __future__ import annotations
-
-import threading
 
 import torch
 import triton
@@ -60,22 +58,12 @@ def slots_for(top_k: int | None) -> int:
 SUB = 1024  # tokens a chunk's CTA holds at a time (its passes loop over the chunk from L1)
 
 
-def fused_finish(B: int) -> bool:
-    """Finish rows in the chunk launch (saves a launch: small batches), or in a second launch whose
-    registers do not weigh on the chunk CTAs (large batches)."""
-    return B <= 8
-
-
 def kept_block(slots: int) -> int:
     """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
     return min(slots, 128)
 
 
-def chunk_warps(block: int, fused: bool) -> int:
-    """Warps of a chunk's CTA. A fused launch (chunk + finish) takes 16: at 8, ptxas holds it to 128
-    registers and it spills (36 B bf16, 152 B fp32; `python -m fusekern.kernels.report`)."""
-    if fused:
-        return 16
+def chunk_warps(block: int) -> int:
     return 4 if block <= 2048 else 8
 
 
@@ -430,16 +418,16 @@ def _sample_kernel(
     seed_ptr, noise_ptr,
     thr_ptr, cnt_ptr, rmax_ptr, bad_ptr, max_ptr, sum_ptr, best_ptr,  # per chunk [B, C]
     cand_key_ptr, cand_idx_ptr,  # per chunk slot [B, C, SLOTS]
-    ticket_ptr, out_ptr, C,
+    out_ptr, C,
     TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, CHUNKS: tl.constexpr, SUB: tl.constexpr, SEARCH: tl.constexpr,
+    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SEARCH: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
     ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
-    """CHUNKS: step 1 for chunk (row, program 1); FINISH: step 2 for the row (program 0). Both: the last
-    chunk of a row to get here (a ticket counter) finishes it, in one launch; FINISH only: a second launch
-    of one program per row (many rows: the chunk launch then keeps few registers and runs more CTAs)."""
+    """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
+    CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
+    faster on the H200 than a second launch and needed more registers: 24.8 against 25.3 us at B = 1.)"""
     row = tl.program_id(0)
     DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
@@ -448,7 +436,7 @@ def _sample_kernel(
     min_p = _row_param(minp_ptr, min_p, stride_m, row, M_PER_ROW, tl.float32)
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     seed = tl.load(seed_ptr)
-    if CHUNKS:
+    if not FINISH:
         # ---- 1. this chunk, on raw-logit keys (x = logits / T is monotone in them: no division per
         # token): its candidates (the tokens with key >= its k_c-th largest), max key, NaN flag
         chunk = tl.program_id(1)
@@ -508,16 +496,7 @@ def _sample_kernel(
             tl.store(best_ptr + at, win)
         tl.store(bad_ptr + at, nan)
         tl.store(rmax_ptr + at, top)
-        if FINISH:  # ---- 2. in the same launch: the last chunk of the row to get here finishes it
-            tl.debug_barrier()  # every thread's stores happen before the release below
-            ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == C - 1:
-                _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
-                        thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr,
-                        out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
-                        KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
-                tl.atomic_xchg(ticket_ptr + row, 0, sem="relaxed")  # ready for the next launch (no memset)
-    else:
+    else:  # ---- 2. the row, from its chunks' candidates
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
@@ -525,27 +504,6 @@ def _sample_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-
-_tickets_lock = threading.Lock()
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket_counters(B: int, device: torch.device) -> torch.Tensor:
-    """Per-row ticket counters, zero between launches (the finishing CTA resets its row's), kept per
-    device so that a launch needs no memset. Inside a CUDA-graph capture with no buffer large enough, a
-    zeroed buffer is allocated in the graph (its memset replays with it). Launches of the sampler on two
-    streams of one device at once would share counters: not supported."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        buf = _tickets.get(device)
-        return buf if buf is not None and buf.numel() >= B else torch.zeros(B, dtype=torch.int32, device=device)
-    with _tickets_lock:
-        buf = _tickets.get(device)
-        if buf is None or buf.numel() < B:
-            buf = torch.zeros(max(B, 1024), dtype=torch.int32, device=device)
-            if device.type == "cuda":
-                _tickets[device] = buf
-    return buf
-
 
 def _row_arg(value, B: int, device, what: str, cast):
     """(tensor, stride, scalar) for a kernel parameter given as a number or a tensor of 1 or B values.
@@ -582,7 +540,6 @@ def sample_triton(
     block: int | None = None,
     slots: int | None = None,
     warps: int | None = None,
-    fused: bool | None = None,
     sub: int | None = None,
     threshold: str = "search",
 ) -> torch.Tensor:
@@ -596,7 +553,7 @@ def sample_triton(
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
     candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
-    ``fused``: finish each row in the chunk launch (True) or in a second launch (False); ``threshold``:
+    ``threshold``:
     a chunk's candidate threshold by a binary search on counts ("search") or an exact radix select
     ("radix"); ``sub``: tokens per step of the radix select's loop.
     """
@@ -631,7 +588,6 @@ def sample_triton(
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
     block = block or chunk_block(B, V)
     slots = slots or slots_for(k_scalar if has_k and topk is None else None)
-    fused = fused_finish(B) if fused is None else fused
     C = triton.cdiv(V, block)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
@@ -646,7 +602,7 @@ def sample_triton(
         minp if minp is not None else f32, m_scalar, stride_m,
         seed, noise if noise is not None else f32,
         i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand[0], cand[1],
-        _ticket_counters(B, dev) if fused else i32, out, C,
+        out, C,
     )
     meta = dict(
         TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
@@ -656,11 +612,8 @@ def sample_triton(
         KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub or SUB, triton.next_power_of_2(block)),
         SEARCH=threshold == "search",
     )
-    if fused:
-        _sample_kernel[(B, C)](*args, FINISH=True, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block, True))
-    else:
-        _sample_kernel[(B, C)](*args, FINISH=False, CHUNKS=True, **meta, num_warps=warps or chunk_warps(block, False))
-        _sample_kernel[(B,)](*args, FINISH=True, CHUNKS=False, **meta, num_warps=8)
+    _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps or chunk_warps(block))
+    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=8)
     return out
 
 
@@ -668,9 +621,8 @@ def sample_triton(
 
 
 def aot_builds():
-    """The sampler at V = 128256, top-k 50 + top-p 0.9, scalar temperature, as launched: B = 1 (one fused
-    launch; bf16 and fp32) and B = 256 (chunk launch, then finish launch). Its loops carry only scalars
-    across iterations: no rematerialization modes."""
+    """The sampler's two launches at V = 128256, top-k 50 + top-p 0.9, scalar temperature: B = 1 (bf16 and
+    fp32) and B = 256. Its loops carry only scalars across iterations: no rematerialization modes."""
     from fusekern.kernels.catalog import TritonBuild
 
     V, k = 128256, 50
@@ -684,21 +636,17 @@ def aot_builds():
             topp_ptr="*fp32", top_p=0.9, stride_p=0, minp_ptr="*fp32", min_p=0.0, stride_m=0,
             seed_ptr="*i64", noise_ptr="*fp32", thr_ptr="*i32", cnt_ptr="*i32", rmax_ptr="*i32", bad_ptr="*i32",
             max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_key_ptr="*i32", cand_idx_ptr="*i32",
-            ticket_ptr="*i32", out_ptr="*i64", C=C)
+            out_ptr="*i64", C=C)
         constexprs = dict(
             TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots,
             C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=2048, KEY_BITS=key_bits,
             SUB=SUB, SEARCH=True)
         config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
-        if fused_finish(B):
-            builds.append(TritonBuild("sampler_fused", config, _sample_kernel, args,
-                                      dict(constexprs, FINISH=True, CHUNKS=True), num_warps=chunk_warps(block, True)))
-        else:
-            builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args,
-                                      dict(constexprs, FINISH=False, CHUNKS=True), num_warps=chunk_warps(block, False)))
-            builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args,
-                                      dict(constexprs, FINISH=True, CHUNKS=False), num_warps=8))
+        builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
+                                  num_warps=chunk_warps(block)))
+        builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
+                                  num_warps=8))
     return builds
 
 
