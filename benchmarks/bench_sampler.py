@@ -7,7 +7,7 @@ Styles: ``hf`` (Hugging Face warpers: temperature, top-k 50, top-p 0.9, multinom
 (temperature, top-k 50, exponential race), ``vllm`` (vLLM's sort-based top-k/top-p with per-row
 temperature / k / p tensors, exponential race; the logits are cloned per call, as vLLM mutates them).
 Variants: eager, stock torch.compile (default and reduce-overhead = CUDA graphs), fusekern (both modes),
-the fused kernel alone (in a CUDA graph; also with the exact radix-select threshold) and the floor (the
+the fused kernel alone (in a CUDA graph) and the floor (the
 logits read once at 4.3 TB/s). Median of triton.testing.do_bench, all variants in the same run; a row is
 written to the CSV as soon as it is measured. Every variant's tokens are checked against the kept set.
 """
@@ -71,8 +71,6 @@ def main():
             }
             if style != "vllm":  # the kernel alone: same filters for every style
                 variants["fusekern_kernel"] = lambda x: S.sample_triton(x, T, seed=seed, **filters)
-                variants["fusekern_kernel_radix"] = lambda x: S.sample_triton(x, T, seed=seed, threshold="radix",
-                                                                              **filters)
             for name, fn in variants.items():
                 try:
                     with torch.no_grad():

@@ -35,7 +35,7 @@ if "--time" in sys.argv:
     for B in (1, 8, 32, 256, 512):
         x = torch.randn(B, V, device="cuda", dtype=torch.bfloat16) * 3
         variants = [dict()] + [dict(block=b) for b in (2048, 4096, 8192, 16384, 32768)]
-        variants += [dict(block=8192, warps=4), dict(threshold="radix"), dict(sub=2048)]
+        variants += [dict(block=8192, warps=4)]
         for v in variants:
             fn = lambda: S.sample_triton(x, 0.8, 50, 0.9, seed=seed, **v)
             fn()

@@ -61,10 +61,9 @@ def test_matches_reference_with_injected_noise(dtype, B, V, block, slots, name):
     assert out.cpu().tolist() == S.sample_reference(logits, temperature, q=q, **filters).tolist()
 
 
-@pytest.mark.parametrize("variant", [dict(threshold="radix"), dict(block=64), dict(slots=8), "binary_search_top_p"],
-                         ids=str)
+@pytest.mark.parametrize("variant", [dict(block=64), dict(slots=8), "binary_search_top_p"], ids=str)
 def test_every_path_draws_the_same_tokens(variant, monkeypatch):
-    """Radix or search thresholds, other chunk sizes, fast or slow path, top-p pairwise or by binary
+    """Other chunk sizes, fast or slow path, top-p pairwise or by binary
     search: the same Philox uniform per (row, token), so the same tokens."""
     logits = make_logits(6, 900, torch.bfloat16, seed=21, scale=0.7)
     params = dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.02, seed=seed_tensor(11))

@@ -41,7 +41,7 @@ MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects
 
 
 def chunk_block(B: int, V: int) -> int:
-    """Tokens per chunk (one CTA, which loops over it SUB tokens at a time): small chunks spread one row over the SMs, large
+    """Tokens per chunk (one CTA, the chunk held in registers): small chunks spread one row over the SMs, large
     ones keep the per-row candidate list short when many rows fill the GPU anyway (H200 sweep)."""
     block = 4096 if B <= 8 else 8192
     return min(block, max(16, triton.next_power_of_2(V)))
@@ -55,7 +55,7 @@ def slots_for(top_k: int | None) -> int:
     return int(min(max(16, triton.next_power_of_2(top_k + max(8, top_k // 4))), 1024))
 
 
-SUB = 1024  # tokens a chunk's CTA holds at a time (its passes loop over the chunk from L1)
+SUB = 1024  # tokens per step of a chunk's candidate-writing loop
 
 
 def kept_block(slots: int) -> int:
@@ -96,11 +96,17 @@ def _x_of_key(key, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_raw(logits_ptr, row, stride_row, offs, mask):
+    """A block of one row's logits, as fp32 (exact for every logits dtype)."""
+    return tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _scaled(logits_ptr, row, offs, mask, stride_row, temperature):
-    """x = logits / T rounded to the logits' dtype (as fp32; IEEE division, as torch divides) and its key."""
-    raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0)
-    x = tl.div_rn(raw.to(tl.float32), temperature).to(raw.dtype).to(tl.float32)
-    return x, _key_of(x, raw.dtype)
+    """x = logits / T rounded to the logits' dtype (as fp32) and its key."""
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    x = _scale(_load_raw(logits_ptr, row, stride_row, offs, mask), temperature, DTYPE)
+    return x, _key_of(x, DTYPE)
 
 
 @triton.jit
@@ -112,10 +118,19 @@ def _row_param(ptr, scalar, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.conste
 
 
 @triton.jit
+def _radix_digit(h, prefix, rank):
+    """One radix-select step: from the 256-bin histogram h of the next key byte (keys matching prefix),
+    the byte of the rank-th largest key; returns (prefix with that byte, rank within it)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
+    digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+    return prefix * 256 + digit, rank - tl.sum(tl.where(bins > digit, h, 0), axis=0)
+
+
+@triton.jit
 def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
     """The k-th largest of the valid keys (1 <= k <= their count), by radix select in registers: one
     256-bin histogram per key byte (tl.sort of 4096 keys in one CTA measured ~90 us on the H200)."""
-    bins = tl.arange(0, 256)
     ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
     prefix = tl.zeros((), dtype=tl.int64)
     rank = k
@@ -123,10 +138,7 @@ def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
         shift = KEY_BITS - 8 * (p + 1)
         sel = valid & ((ukey >> (shift + 8)) == prefix)
         h = tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
-        at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
-        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-        rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = prefix * 256 + digit
+        prefix, rank = _radix_digit(h, prefix, rank)
     return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32)
 
 
@@ -206,7 +218,6 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
                 HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Slow path, exact over the whole row (passes over it from L2): top-k pivot by radix select, the max
     and the sum of exp over the top-k set, the top-p key by binary search, then the race."""
-    bins = tl.arange(0, 256)
     pivot = tl.full((), MIN_KEY, tl.int64)
     if HAS_TOP_K:
         if k < V:
@@ -221,10 +232,7 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
                     ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
                     sel = (offs < V) & ((ukey >> (shift + 8)) == prefix)
                     h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
-                at_or_above = tl.cumsum(h, axis=0, reverse=True)
-                digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-                rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-                prefix = prefix * 256 + digit
+                prefix, rank = _radix_digit(h, prefix, rank)
             pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
     m = tl.full((), float("-inf"), tl.float32)
     top = tl.full((), MIN_KEY, tl.int64)
@@ -268,37 +276,6 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
 
 
 @triton.jit
-def _chunk_kth_largest(logits_ptr, row, stride_row, start, end, k, KEY_BITS: tl.constexpr, SUB: tl.constexpr,
-                       DTYPE: tl.constexpr):
-    """(k-th largest raw key of logits[row, start:end], the largest, NaN flag): radix select, one 256-bin
-    histogram per key byte, each pass a loop over SUB-token blocks (re-reads hit L1: registers stay few)."""
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), dtype=tl.int64)
-    rank = k
-    top = tl.full((), MIN_KEY, tl.int32)
-    nan = tl.zeros((), tl.int32)
-    for p in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (p + 1)
-        h = tl.zeros((256,), dtype=tl.int32)
-        for off in range(start, end, SUB):
-            offs = off + tl.arange(0, SUB)
-            mask = offs < end
-            raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
-            key = _key_of(raw, DTYPE)
-            if p == 0:
-                top = tl.maximum(top, tl.max(tl.where(mask, key, MIN_KEY), axis=0))
-                nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
-            ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
-            sel = mask & ((ukey >> (shift + 8)) == prefix)
-            h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
-        at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
-        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-        rank -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = prefix * 256 + digit
-    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32), top, nan
-
-
-@triton.jit
 def _chunk_threshold(logits_ptr, row, stride_row, start, end, k, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
                      DTYPE: tl.constexpr):
     """(t, largest key, NaN flag) for logits[row, start:end] held in registers: a raw key t with
@@ -306,7 +283,7 @@ def _chunk_threshold(logits_ptr, row, stride_row, start, end, k, SLOTS: tl.const
     on counts that stops as soon as the count fits (a few block sums; k <= the chunk's length)."""
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
-    raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+    raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
     key = tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
     top = tl.max(key, axis=0)
     nan = tl.max((raw != raw).to(tl.int32), axis=0)
@@ -421,7 +398,7 @@ def _sample_kernel(
     out_ptr, C,
     TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SEARCH: tl.constexpr,
+    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
     ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
@@ -448,12 +425,9 @@ def _sample_kernel(
                 k_c = tl.minimum(k, SLOTS)
             else:
                 k_c = tl.full((), SLOTS, tl.int32)
-            if SEARCH:  # any t with k_c <= count(>= t) <= SLOTS keeps step 2 exact (docstring)
-                t_c, top, nan = _chunk_threshold(logits_ptr, row, stride_row, start, end, tl.minimum(k_c, end - start),
-                                                 SLOTS, BLOCK, DTYPE)
-            else:  # the exact k_c-th largest
-                t_c, top, nan = _chunk_kth_largest(logits_ptr, row, stride_row, start, end,
-                                                   tl.minimum(k_c, end - start), KEY_BITS, SUB, DTYPE)
+            # any t with k_c <= count(>= t) <= SLOTS keeps step 2 exact (docstring)
+            t_c, top, nan = _chunk_threshold(logits_ptr, row, stride_row, start, end, tl.minimum(k_c, end - start),
+                                             SLOTS, BLOCK, DTYPE)
             t_c = tl.where(end - start > k_c, t_c, MIN_KEY)
             n_sel = tl.zeros((), tl.int32)
             m_run = tl.full((), float("-inf"), tl.float32)
@@ -461,7 +435,7 @@ def _sample_kernel(
             for off in range(start, end, SUB):
                 offs = off + tl.arange(0, SUB)
                 mask = offs < end
-                raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+                raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
                 rkey = _key_of(raw, DTYPE)
                 sel = mask & (rkey >= t_c)
                 slot = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
@@ -488,7 +462,7 @@ def _sample_kernel(
             for off in range(start, end, SUB):
                 offs = off + tl.arange(0, SUB)
                 mask = offs < end
-                raw = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+                raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
                 top = tl.maximum(top, tl.max(tl.where(mask, _key_of(raw, DTYPE), MIN_KEY), axis=0))
                 nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
                 score = _gumbel_score(_scale(raw, temperature, DTYPE), seed, row, offs, V, noise_ptr, HAS_NOISE)
@@ -540,8 +514,6 @@ def sample_triton(
     block: int | None = None,
     slots: int | None = None,
     warps: int | None = None,
-    sub: int | None = None,
-    threshold: str = "search",
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
@@ -552,10 +524,7 @@ def sample_triton(
     advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
-    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
-    ``threshold``:
-    a chunk's candidate threshold by a binary search on counts ("search") or an exact radix select
-    ("radix"); ``sub``: tokens per step of the radix select's loop.
+    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA.
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -609,8 +578,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub or SUB, triton.next_power_of_2(block)),
-        SEARCH=threshold == "search",
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(SUB, triton.next_power_of_2(block)),
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps or chunk_warps(block))
     _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=8)
@@ -641,7 +609,7 @@ def aot_builds():
             TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots,
             C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=SUB, SEARCH=True)
+            SUB=SUB)
         config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block)))
