@@ -3,8 +3,9 @@
 Triton 3.6's interpreter keeps bf16 values as their raw uint16 bits. Two of its paths then work on
 the bits as if they were integers: integer -> bf16 casts (``astype(uint16)``) and ``tl.dot`` on bf16
 operands (``np.matmul`` of the bit patterns). Both give garbage (seen: int8 -> bf16 gave NaN, a
-16x16 bf16 dot was off by 1e10). This module patches just those two paths, going through float32
-exactly as the GPU does, so bf16 kernels can be checked against their references on CPU.
+16x16 bf16 dot was off by 1e10). Its fp32 -> bf16 cast truncates, where the GPU rounds to nearest
+even (seen: errors of one bf16 ulp on half the values). This module patches those paths, going
+through float32 and rounding exactly as the GPU does, so bf16 kernels can be checked on CPU.
 
 Only the interpreter is touched; compiled kernels never see this.
 """
@@ -30,15 +31,22 @@ def patch_bf16_support() -> bool:
     def bf16_to_f32(data):
         return convert(data, tl.bfloat16, tl.float32, None).view(np.float32)
 
+    def f32_to_bf16_rne(data):
+        bits = data.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = np.isnan(data)
+        out = rounded.astype(np.uint16)
+        out[nan] = 0x7FC0
+        return out
+
     orig_cast = builder_cls.cast_impl
     orig_dot = builder_cls.create_dot
 
     def cast_impl(self, src, dst_type):
         src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
-        if dst_ty == tl.bfloat16 and src_ty != tl.bfloat16 and src_ty != tl.float32:
-            as_f32 = src.data.astype(np.float32)  # ints and fp16 are exact in fp32
-            data = convert(as_f32, tl.float32, tl.bfloat16, None).view(np.uint16)
-            return interp.TensorHandle(data, tl.bfloat16)
+        if dst_ty == tl.bfloat16 and src_ty != tl.bfloat16:
+            as_f32 = np.ascontiguousarray(src.data.astype(np.float32))  # ints and fp16 are exact in fp32
+            return interp.TensorHandle(f32_to_bf16_rne(as_f32), tl.bfloat16)
         if src_ty == tl.bfloat16 and dst_ty != tl.bfloat16 and dst_ty != tl.float32:
             data = bf16_to_f32(src.data).astype(interp._get_np_dtype(dst_type))
             return interp.TensorHandle(data, dst_ty)

@@ -1,0 +1,453 @@
+"""Generated GEMMs whose weight-load stage is a decode program: ``out = x @ W (+ bias)``.
+
+``W[(b,) k, n]`` is never written to memory: each program's decode (``fusekern.patterns.decode``)
+becomes Triton code that loads the packed leaves of one ``[BLOCK_K, BLOCK_N]`` weight tile, decodes it
+in registers, and feeds the product. One Python module is generated per program (it is the
+specialization: leaf dtypes, shapes and strides are constants in it), written to a cache directory
+and imported once per process.
+
+Read top to bottom: configs -> code generation -> launcher -> reference -> custom op.
+
+Paths, chosen at run time by M (so dynamic M works):
+- M == 1: GEMV. Each program reduces a K-slice for BLOCK_N columns on CUDA cores (a product and a
+  row sum); split-K adds programs when there are too few column tiles to fill the SMs.
+- M <= 64: tensor-core tiles of 16..64 rows, split-K as above.
+- larger M: 128 x 128 tensor-core tiles with grouped tile order; every M-tile decodes its weight tiles
+  again (the decode's ALU cost is spread over 128 rows).
+Split-K partial sums go to an fp32 workspace and are summed in a fixed order (deterministic).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+
+import sympy
+import torch
+import triton
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+from fusekern.kernels.device_info import sm_count
+from fusekern.patterns.decode.program import (
+    B, BINARY, CMP, FP8_DTYPES, K, N, DecodeProgram, Instr, Ref, container, is_int,
+)
+
+# Bumped whenever the code generator, kernel template or heuristics change (part of the cache key).
+KERNEL_VERSION = "decode_mm-1"
+
+SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def use_dot(self) -> bool:
+        return self.BLOCK_M >= 16
+
+
+@functools.lru_cache(maxsize=4096)
+def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Config:
+    """The launch config for one problem size (dynamic M: chosen per call)."""
+    k_tiles = triton.cdiv(K, 128)
+    if M == 1:
+        tiles = batch * triton.cdiv(N, 64)
+        split = _split_k(tiles, k_tiles, sms)
+        return Config(1, 64, 128, split, 1, 4, 3)
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
+        split = _split_k(tiles, k_tiles, sms)
+        return Config(bm, 64, 128, split, 1, 4, 3)
+    return Config(128, 128, 64, 1, 8, 8, 3)
+
+
+def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
+    """Enough K-slices that about two programs run per SM, each reducing at least two K-tiles."""
+    want = triton.cdiv(2 * sms, max(tiles, 1))
+    return max(1, min(want, 16, k_tiles // 2))
+
+
+# ----------------------------------------------------------------------------- code generation
+
+_TL = {
+    torch.bool: "tl.int1", torch.uint8: "tl.uint8", torch.int8: "tl.int8", torch.int16: "tl.int16",
+    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32", torch.float64: "tl.float64",
+    torch.float8_e4m3fn: "tl.float8e4nv", torch.float8_e5m2: "tl.float8e5",
+}
+
+
+def tl_dtype(d: torch.dtype) -> str:
+    try:
+        return _TL[d]
+    except KeyError:
+        raise NotImplementedError(f"no Triton dtype for {d}") from None
+
+
+def texpr(e) -> str:
+    """An index expression (or condition) as Triton code over the tensors ``b``, ``k``, ``n``."""
+    if isinstance(e, int):
+        return str(e)
+    if isinstance(e, sympy.Symbol):
+        return e.name
+    if e.is_Integer:
+        return str(int(e))
+    a = [texpr(x) for x in e.args]
+    if isinstance(e, sympy.Add):
+        return "(" + " + ".join(a) + ")"
+    if isinstance(e, sympy.Mul):
+        return "(" + " * ".join(a) + ")"
+    if isinstance(e, FloorDiv):
+        return f"({a[0]} // {a[1]})"
+    if isinstance(e, ModularIndexing):
+        inner = a[0] if e.args[1] == 1 else f"({a[0]} // {a[1]})"
+        return f"({inner} % {a[2]})"
+    if isinstance(e, sympy.Mod):
+        return f"({a[0]} % {a[1]})"
+    ops = {sympy.StrictLessThan: "<", sympy.LessThan: "<=", sympy.StrictGreaterThan: ">",
+           sympy.GreaterThan: ">=", sympy.Equality: "==", sympy.Unequality: "!="}
+    if type(e) in ops:
+        return f"({a[0]} {ops[type(e)]} {a[1]})"
+    if isinstance(e, sympy.And):
+        return "(" + " & ".join(a) + ")"
+    raise NotImplementedError(f"index expression {e} ({type(e).__name__})")
+
+
+def _wrap(v: str, d: torch.dtype) -> str:
+    """An integer container expression wrapped to dtype d (see program.wrap_int)."""
+    if d == torch.bool:
+        return f"({v} != 0).to(tl.int32)"
+    if d == torch.uint8:
+        return f"({v} & 255)"
+    if d in (torch.int8, torch.int16):
+        s = 32 - 8 * d.itemsize
+        return f"(({v} << {s}) >> {s})"
+    return v
+
+
+def _round(v: str, src: torch.dtype, d: torch.dtype) -> str:
+    """Container value of dtype ``src`` converted to dtype ``d`` and held in d's container."""
+    c = container(d)
+    if is_int(d):
+        if not is_int(src):
+            v = f"{v}.to(tl.int64)" if c == torch.int64 or d == torch.uint8 else f"{v}.to(tl.int32)"
+            return _wrap(f"{v}.to({tl_dtype(c)})", d)
+        return _wrap(f"{v}.to({tl_dtype(c)})", d)
+    if d in (torch.float32, torch.float64):
+        return f"{v}.to({tl_dtype(d)})"
+    if is_int(src):
+        v = f"{v}.to(tl.float32)"
+    return f"{v}.to({tl_dtype(d)}).to({tl_dtype(c)})"
+
+
+_BIN = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^", "shl": "<<", "shr": ">>"}
+_CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+def _in_range(e, size: int, ranges: dict) -> bool:
+    try:
+        r = bound_sympy(sympy.sympify(e), ranges)
+        return r.lower >= 0 and r.upper <= size - 1
+    except Exception:
+        return False
+
+
+def decode_source(prog: DecodeProgram) -> str:
+    """The body of ``_decode(L0.., k, n, b, wmask)``: the weight tile in its container, zero where masked."""
+    ranges = {K: ValueRanges(0, prog.K - 1), N: ValueRanges(0, prog.N - 1), B: ValueRanges(0, max(prog.batch - 1, 0))}
+    lines = []
+
+    def ref(a, d: torch.dtype) -> str:
+        if isinstance(a, Ref):
+            return f"v{a.i}"
+        if isinstance(a, sympy.Basic):
+            return f"({texpr(a)})"
+        if isinstance(a, float) and not math.isfinite(a):
+            raise NotImplementedError(f"non-finite constant {a} in a decode")
+        return f"tl.full((1, 1), {a!r}, {tl_dtype(container(d))})"
+
+    for i, ins in enumerate(prog.instrs):
+        d, c = ins.dtype, container(ins.dtype)
+        op, args = ins.op, ins.args
+        if op == "load":
+            leaf = prog.leaves[args[0]]
+            terms, conds = [], []
+            for dim, (a, st) in enumerate(zip(args[1:], leaf.stride)):
+                size = leaf.shape[dim]
+                if isinstance(a, Ref):  # a table lookup: wrap negative codes, mask codes out of range
+                    idx = f"v{a.i}"
+                    if prog.instrs[a.i].dtype not in (torch.uint8, torch.bool):
+                        idx = f"tl.where({idx} < 0, {idx} + {size}, {idx})"
+                    lines.append(f"i{i}_{dim} = {idx}")
+                    idx = f"i{i}_{dim}"
+                    conds.append(f"({idx} >= 0) & ({idx} < {size})")
+                else:
+                    idx = f"({texpr(a)})"
+                    if not _in_range(a, size, ranges):  # e.g. a cat part's index outside its part
+                        idx = f"tl.minimum(tl.maximum({idx}, 0), {size - 1})"
+                if st:
+                    terms.append(f"{idx} * {st}" if st != 1 else idx)
+            offset = " + ".join(terms) or "0"
+            mask = " & ".join(["wmask", *conds])
+            # No ``other`` for fp8 (the interpreter cannot cast 0 to fp8); masked lanes are zeroed at the end.
+            other = "" if leaf.dtype in FP8_DTYPES else ", other=0"
+            raw = f"tl.load(L{args[0]} + ({offset}), mask={mask}{other})"
+            lines.append(f"v{i} = {raw}" if leaf.dtype == c else f"v{i} = {raw}.to({tl_dtype(c)})")
+            continue
+        if op == "index":
+            lines.append(f"v{i} = ({texpr(args[0])}).to({tl_dtype(c)})")
+        elif op == "const":
+            lines.append(f"v{i} = {ref(args[0], d)}")
+        elif op == "select":
+            lines.append(f"v{i} = tl.where({texpr(args[0])}, {ref(args[1], d)}, {ref(args[2], d)})")
+        elif op == "where":
+            lines.append(f"v{i} = tl.where({ref(args[0], torch.int32)} != 0, {ref(args[1], d)}, {ref(args[2], d)})")
+        elif op == "cast":
+            src = prog.instrs[args[0].i].dtype
+            lines.append(f"v{i} = {_round(ref(args[0], src), src, d)}")
+        elif op == "bitcast":
+            src = prog.instrs[args[0].i].dtype
+            raw = f"{ref(args[0], src)}.to({tl_dtype(src)}).to({tl_dtype(d)}, bitcast=True)"
+            lines.append(f"v{i} = {raw}.to({tl_dtype(c)})" if c != d else f"v{i} = {raw}")
+        elif op in CMP:
+            lines.append(f"v{i} = ({ref(args[0], None)} {_CMP[op]} {ref(args[1], None)}).to(tl.int32)")
+        elif op in _BIN:
+            x, y = ref(args[0], d), ref(args[1], d)
+            r = f"({x} {_BIN[op]} {y})"
+            lines.append(f"v{i} = {_wrap(r, d) if is_int(d) else r}")
+        elif op == "div":
+            lines.append(f"v{i} = tl.math.div_rn({ref(args[0], d)}, {ref(args[1], d)})")
+        elif op in ("max", "min"):
+            fn = "tl.maximum" if op == "max" else "tl.minimum"
+            lines.append(f"v{i} = {fn}({ref(args[0], d)}, {ref(args[1], d)})")
+        elif op == "neg":
+            r = f"(-{ref(args[0], d)})"
+            lines.append(f"v{i} = {_wrap(r, d) if is_int(d) else r}")
+        elif op == "abs":
+            lines.append(f"v{i} = tl.abs({ref(args[0], d)})")
+        elif op == "exp2":
+            lines.append(f"v{i} = tl.exp2({ref(args[0], d)})")
+        elif op == "not":
+            r = f"({ref(args[0], d)} == 0).to(tl.int32)" if d == torch.bool else _wrap(f"(~{ref(args[0], d)})", d)
+            lines.append(f"v{i} = {r}")
+        else:
+            raise NotImplementedError(f"decode op {op}")
+    lines.append(f"return tl.where(wmask, v{prog.out}, 0)")
+    return "\n".join("    " + ln for ln in lines)
+
+
+_TEMPLATE = '''"""Generated by fusekern.kernels.decode_mm ({version}) for this decode program:
+
+{program}
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode({leaf_args}, k, n, b, wmask):
+{decode}
+
+
+@triton.jit
+def decode_mm_kernel(
+    x_ptr, bias_ptr, out_ptr, {leaf_args},
+    M, stride_xb, stride_xm, stride_xk, stride_bm, stride_bn,
+    stride_os, stride_ob, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+):
+    K: tl.constexpr = {K}
+    N: tl.constexpr = {N}
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = tl.program_id(2)
+    # Grouped tile order: GROUP_M row tiles share each column tile's weight decode in L2.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows
+    pid_n = (pid % group) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = offs_n[None, :]
+    x_rows = x_ptr + b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
+        k = offs_k[:, None]
+        w = _decode({leaf_args}, k, n, b, (k < K) & (n < N)).to(a.dtype)
+        if USE_DOT:
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        else:
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0).to(tl.float32)
+    out = out_ptr + pid_k * stride_os + b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+'''
+
+
+def kernel_source(prog: DecodeProgram) -> str:
+    leaf_args = ", ".join(f"L{i}" for i in range(len(prog.leaves)))
+    program = "\n".join("    " + ln for ln in str(prog).splitlines())
+    return _TEMPLATE.format(version=KERNEL_VERSION, program=program, leaf_args=leaf_args,
+                            decode=decode_source(prog), K=prog.K, N=prog.N)
+
+
+def _cache_dir() -> str:
+    d = os.environ.get("FUSEKERN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"fusekern-{os.getuid()}")
+    d = os.path.join(d, "decode_mm")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_for(text: str):
+    """The generated ``decode_mm_kernel`` for a program's text (written once, imported once)."""
+    prog = DecodeProgram.from_text(text)
+    src = kernel_source(prog)
+    digest = hashlib.sha256(src.encode()).hexdigest()[:20]
+    path = os.path.join(_cache_dir(), f"decode_mm_{digest}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(src)
+        os.replace(tmp, path)  # atomic: concurrent compiles never import a half-written file
+    spec = importlib.util.spec_from_file_location(f"fusekern_decode_mm_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.decode_mm_kernel
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor | None) -> None:
+    want = 3 if prog.batch else 2
+    if x.dim() != want:
+        raise ValueError(f"decode_mm: x must be {want}-D, got shape {tuple(x.shape)}")
+    if x.shape[-1] != prog.K or (prog.batch and x.shape[0] != prog.batch):
+        raise ValueError(f"decode_mm: x of shape {tuple(x.shape)} does not fit a weight of shape {list(prog.shape)}")
+    if x.dtype != prog.dtype:
+        raise ValueError(f"decode_mm: x is {x.dtype} but the decoded weight is {prog.dtype}")
+    if len(leaves) != len(prog.leaves):
+        raise ValueError(f"decode_mm: the program reads {len(prog.leaves)} leaves, got {len(leaves)}")
+    for i, (t, leaf) in enumerate(zip(leaves, prog.leaves)):
+        if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
+            raise ValueError(f"decode_mm: leaf {i} is {t.dtype}{list(t.shape)}, the program reads "
+                             f"{leaf.dtype}{list(leaf.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"decode_mm: leaf {i} is on {t.device}, x on {x.device}")
+    if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
+        raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
+
+
+def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None,
+                     config: Config | None = None) -> torch.Tensor:
+    """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter)."""
+    prog = DecodeProgram.from_text(text)
+    _check_args(x, leaves, prog, bias)
+    if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, prog.leaves)):
+        raise ValueError("decode_mm_triton: leaf strides differ from the program's; use decode_mm")
+    batched = prog.batch > 0
+    x3 = x if batched else x.unsqueeze(0)
+    Bt, M = x3.shape[0], x3.shape[1]
+    cfg = config or select_config(M, prog.N, prog.K, Bt, sm_count(x.device) if x.is_cuda else 132)
+    out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
+    out = torch.empty((cfg.SPLIT_K, Bt, M, prog.N), device=x.device, dtype=out_dtype)
+    has_bias = bias is not None and cfg.SPLIT_K == 1
+    b2 = bias.expand(M, prog.N) if has_bias else x
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(prog.N, cfg.BLOCK_N), cfg.SPLIT_K, Bt)
+    kernel_for(text)[grid](
+        x3, b2, out, *leaves, M, x3.stride(0), x3.stride(1), x3.stride(2),
+        b2.stride(0) if has_bias else 0, b2.stride(1) if has_bias else 0,
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.SPLIT_K > 1:
+        res = out.sum(0)  # a fixed order: deterministic
+        if bias is not None:
+            res = res + bias.float()
+        out = res.to(x.dtype)
+    else:
+        out = out[0]
+    return out if batched else out[0]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def decode_mm_reference(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch in float64: decode the whole weight (kernel semantics), then matmul."""
+    prog = DecodeProgram.from_text(text)
+    w = prog.evaluate(leaves).to(torch.float64)
+    out = x.to(torch.float64) @ w
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- custom op
+# Plain dispatcher API (define + per-device impl + fake): see w8a16_linear for why not custom_op.
+
+torch.library.define(
+    "fusekern::decode_mm",
+    "(Tensor x, Tensor[] leaves, str program, Tensor? bias) -> Tensor",
+)
+
+
+@torch.library.impl("fusekern::decode_mm", "CUDA")
+def _decode_mm_cuda(x, leaves, program, bias):
+    """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path."""
+    prog = DecodeProgram.from_text(program)
+    if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):
+        return decode_mm_triton(x, leaves, program, bias)
+    return _decode_mm_cpu(x, leaves, program, bias)
+
+
+@torch.library.impl("fusekern::decode_mm", "CPU")
+def _decode_mm_cpu(x, leaves, program, bias):
+    """Decode the whole weight with torch (the kernel's semantics), then one matmul."""
+    prog = DecodeProgram.from_text(program)
+    _check_args(x, leaves, prog, bias)
+    w = prog.evaluate(leaves)
+    out = torch.matmul(x, w)
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out
+
+
+@torch.library.register_fake("fusekern::decode_mm")
+def _decode_mm_fake(x, leaves, program, bias):
+    prog = DecodeProgram.from_text(program)
+    _check_args(x, leaves, prog, bias)
+    return x.new_empty((*x.shape[:-1], prog.N))
+
+
+decode_mm = torch.ops.fusekern.decode_mm

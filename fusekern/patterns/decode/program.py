@@ -1,0 +1,400 @@
+"""A decode program: how one element of a dequantized weight is computed from packed leaves.
+
+The structural matcher (``analysis.py``) turns the user's decode code into this straight-line
+program for one weight element ``W[b, k, n]`` (``b`` only for batched matmuls). Instructions are
+scalar operations; addresses are sympy expressions in the index symbols ``b, k, n``. One program
+drives three things, so they cannot disagree:
+
+- ``evaluate`` (torch, every element at once): the CPU path and the reference for tests;
+- the Triton code generator (``fusekern.kernels.decode_mm``): the weight-load stage of the GEMMs;
+- format recognition (``formats.py``).
+
+Value semantics are the generated kernel's, written down once here:
+- integers live in an int32 container (int64 for int64 values); after each operation the result is
+  wrapped to its dtype (uint8 ``& 255``, int8 sign-extended...), so integer results equal torch's;
+- floats live in fp32 (fp64 for fp64 values) and are rounded only at explicit casts, as inductor
+  does (eager rounds bf16/fp16 after every op: results agree within the dtype's tolerance).
+
+The program serializes to a JSON string (``to_text`` / ``from_text``): that string is the custom op's
+argument, so a graph loaded from inductor's FX cache carries its own decode.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import sympy
+import torch
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+FORMAT_VERSION = 1
+
+# Index symbols: batch, reduction (K) and output column (N) of the matmul's weight operand.
+B, K, N = sympy.symbols("b k n", integer=True, nonnegative=True)
+SYMBOLS = {"b": B, "k": K, "n": N}
+
+UNARY = ("neg", "exp2", "abs", "not", "cast", "bitcast")
+BINARY = ("add", "sub", "mul", "div", "and", "or", "xor", "shl", "shr", "eq", "ne", "lt", "le", "gt", "ge",
+          "max", "min")
+CMP = ("eq", "ne", "lt", "le", "gt", "ge")
+OPS = ("load", "index", "const", "where", "select", *UNARY, *BINARY)
+
+INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FP8_DTYPES)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """The value of instruction ``i``."""
+
+    i: int
+
+
+Arg = Union[Ref, int, float, bool, sympy.Expr]
+
+
+@dataclass(frozen=True)
+class Instr:
+    """``op(*args)`` with result dtype ``dtype``.
+
+    load: args = (leaf, *index) with one index per leaf dim, each a sympy expression in b/k/n or a Ref
+          (a data-dependent index: a small-table lookup).
+    index: args = (expr,): the value of an index expression (``torch.arange`` in the user's code).
+    const: args = (value,).
+    select: args = (condition, a, b): ``a`` where the sympy condition on b/k/n holds (from cat).
+    where: args = (cond, a, b) with cond a Ref (data-dependent).
+    """
+
+    op: str
+    args: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor the decode reads: packed codes, scales, zeros, tables."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class DecodeProgram:
+    """``W[b, k, n] = instrs[out]`` for ``b < batch, k < K, n < N`` (batch is 0 for a 2-D weight)."""
+
+    leaves: list[Leaf]
+    instrs: list[Instr]
+    out: int
+    K: int
+    N: int
+    batch: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.instrs[self.out].dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.batch, self.K, self.N) if self.batch else (self.K, self.N)
+
+    def uses(self) -> list[list[int]]:
+        """For each instruction, the instructions that read it."""
+        users: list[list[int]] = [[] for _ in self.instrs]
+        for i, ins in enumerate(self.instrs):
+            for a in ins.args:
+                if isinstance(a, Ref):
+                    users[a.i].append(i)
+        return users
+
+    # -- text form (the op's argument) ---------------------------------------------------------------
+    def to_text(self) -> str:
+        doc = {
+            "v": FORMAT_VERSION,
+            "shape": [self.batch, self.K, self.N],
+            "leaves": [[_dtype_name(l.dtype), list(l.shape), list(l.stride)] for l in self.leaves],
+            "instrs": [[ins.op, _dtype_name(ins.dtype), [_enc(a) for a in ins.args]] for ins in self.instrs],
+            "out": self.out,
+        }
+        return json.dumps(doc, separators=(",", ":"))
+
+    @staticmethod
+    def from_text(text: str) -> "DecodeProgram":
+        return _parse(text)
+
+    def __str__(self) -> str:
+        lines = [f"decode W[{'b, ' if self.batch else ''}k, n] of shape {list(self.shape)} -> %{self.out}"]
+        for i, l in enumerate(self.leaves):
+            lines.append(f"  L{i}: {_dtype_name(l.dtype)}{list(l.shape)} stride {list(l.stride)}")
+        for i, ins in enumerate(self.instrs):
+            args = ", ".join(f"%{a.i}" if isinstance(a, Ref) else str(a) for a in ins.args)
+            lines.append(f"  %{i} = {ins.op}.{_dtype_name(ins.dtype)}({args})")
+        return "\n".join(lines)
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def evaluate(self, leaves: Sequence[torch.Tensor], *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole decoded weight, computed with the kernel's semantics (see the module doc)."""
+        return evaluate(self, leaves, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return d
+
+
+def is_int(d: torch.dtype) -> bool:
+    return d in INT_DTYPES
+
+
+def container(d: torch.dtype) -> torch.dtype:
+    """The dtype a value of dtype ``d`` is held in while decoding."""
+    if d in (torch.int64,):
+        return torch.int64
+    if is_int(d):
+        return torch.int32
+    if d == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+# ----------------------------------------------------------------------------- (de)serialization
+
+def _enc(a: Any):
+    if isinstance(a, Ref):
+        return {"t": a.i}
+    if isinstance(a, bool):
+        return {"b": a}
+    if isinstance(a, int):
+        return a
+    if isinstance(a, float):
+        return {"f": repr(a)}
+    if isinstance(a, (sympy.Basic,)):
+        return {"e": sympy.srepr(a)}
+    raise TypeError(f"cannot encode {a!r}")
+
+
+@functools.cache
+def _sympy_locals() -> dict:
+    return {"FloorDiv": FloorDiv, "ModularIndexing": ModularIndexing, **SYMBOLS,
+            "Symbol": lambda name, **kw: SYMBOLS[name]}
+
+
+def _dec(a: Any):
+    if isinstance(a, int):
+        return a
+    if "t" in a:
+        return Ref(a["t"])
+    if "b" in a:
+        return bool(a["b"])
+    if "f" in a:
+        return float(a["f"])
+    return sympy.sympify(a["e"], locals=_sympy_locals())
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> DecodeProgram:
+    doc = json.loads(text)
+    if doc.get("v") != FORMAT_VERSION:
+        raise ValueError(f"decode program version {doc.get('v')!r}, expected {FORMAT_VERSION}")
+    batch, k, n = doc["shape"]
+    leaves = [Leaf(dtype_of(d), tuple(s), tuple(st)) for d, s, st in doc["leaves"]]
+    instrs = [Instr(op, tuple(_dec(a) for a in args), dtype_of(d)) for op, d, args in doc["instrs"]]
+    for ins in instrs:
+        if ins.op not in OPS:
+            raise ValueError(f"unknown decode op {ins.op!r}")
+    return DecodeProgram(leaves, instrs, doc["out"], k, n, batch)
+
+
+# ----------------------------------------------------------------------------- index expressions
+
+def eval_index(expr: sympy.Basic, env: dict) -> Any:
+    """Evaluate an index expression (or condition) on torch tensors / ints bound to b, k, n."""
+    if isinstance(expr, sympy.Symbol):
+        return env[expr.name]
+    if isinstance(expr, (sympy.Integer, int)):
+        return int(expr)
+    if expr is sympy.true:
+        return True
+    if expr is sympy.false:
+        return False
+    args = [eval_index(a, env) for a in expr.args]
+    if isinstance(expr, sympy.Add):
+        return functools.reduce(lambda x, y: x + y, args)
+    if isinstance(expr, sympy.Mul):
+        return functools.reduce(lambda x, y: x * y, args)
+    if isinstance(expr, FloorDiv):
+        return args[0] // args[1]
+    if isinstance(expr, ModularIndexing):
+        return (args[0] // args[1]) % args[2]
+    if isinstance(expr, sympy.Mod):
+        return args[0] % args[1]
+    if isinstance(expr, sympy.StrictLessThan):
+        return args[0] < args[1]
+    if isinstance(expr, sympy.LessThan):
+        return args[0] <= args[1]
+    if isinstance(expr, sympy.StrictGreaterThan):
+        return args[0] > args[1]
+    if isinstance(expr, sympy.GreaterThan):
+        return args[0] >= args[1]
+    if isinstance(expr, sympy.And):
+        return functools.reduce(lambda x, y: x & y, args)
+    raise NotImplementedError(f"index expression {expr} ({type(expr).__name__})")
+
+
+# ----------------------------------------------------------------------------- the torch evaluator
+
+def wrap_int(v: torch.Tensor, d: torch.dtype) -> torch.Tensor:
+    """An integer result in its container, wrapped to dtype ``d`` as torch's ``d`` arithmetic wraps."""
+    if d == torch.bool:
+        return (v != 0).to(v.dtype)
+    bits = {torch.uint8: 8, torch.int8: 8, torch.int16: 16}.get(d)
+    if bits is None:
+        return v
+    if d == torch.uint8:
+        return v & 255
+    shift = 32 - bits
+    return (v << shift) >> shift
+
+
+def round_to(v: torch.Tensor, d: torch.dtype) -> torch.Tensor:
+    """Convert a container value to dtype ``d`` and back: the rounding of an explicit cast."""
+    c = container(d)
+    if is_int(d):
+        if v.is_floating_point():
+            v = v.trunc()
+            return wrap_int(v.to(torch.int64).to(c), d)  # through a wider integer, then wrapped
+        return wrap_int(v.to(c), d)
+    if v.dtype == torch.bool:
+        v = v.to(torch.int32)
+    if d in (torch.float32, torch.float64):
+        return v.to(d)
+    return v.to(d).to(c)
+
+
+def bitcast(v: torch.Tensor, src: torch.dtype, dst: torch.dtype) -> torch.Tensor:
+    """Reinterpret a same-size value's bits (uint8 <-> fp8, int16 <-> bf16/fp16, int32 <-> fp32)."""
+    if src.itemsize != dst.itemsize:
+        raise ValueError(f"bitcast {src} -> {dst} changes the size")
+    raw = v.to(src) if v.dtype != src else v
+    out = raw.view(dst)
+    return out.to(container(dst)) if dst not in (torch.int32, torch.int64, torch.float32, torch.float64) else out
+
+
+def evaluate(prog: DecodeProgram, leaves: Sequence[torch.Tensor], *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if len(leaves) != len(prog.leaves):
+        raise ValueError(f"decode program reads {len(prog.leaves)} leaves, got {len(leaves)}")
+    device = leaves[0].device
+    shape = prog.shape
+    grids = torch.meshgrid(*[torch.arange(s, device=device) for s in shape], indexing="ij")
+    env = dict(zip(("b", "k", "n") if prog.batch else ("k", "n"), grids))
+    if not prog.batch:
+        env["b"] = 0
+    vals: list[torch.Tensor] = []
+    for ins in prog.instrs:
+        vals.append(_eval_instr(ins, prog.instrs, vals, leaves, env, device))
+    out = torch.broadcast_to(vals[prog.out], shape)
+    return round_to(out, prog.dtype).to(out_dtype or prog.dtype)
+
+
+def _as_tensor(x, device, dtype=None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.tensor(x, device=device, dtype=dtype)
+
+
+def _eval_instr(ins: Instr, instrs, vals, leaves, env, device) -> torch.Tensor:
+    op, d = ins.op, ins.dtype
+    c = container(d)
+
+    def arg(a):
+        if isinstance(a, Ref):
+            return vals[a.i]
+        if isinstance(a, sympy.Basic):
+            return _as_tensor(eval_index(a, env), device)
+        return a
+
+    if op == "load":
+        leaf = leaves[ins.args[0]]
+        idx = []
+        for dim, a in enumerate(ins.args[1:]):
+            i = arg(a)
+            i = _as_tensor(i, device).to(torch.int64)
+            idx.append(torch.where(i < 0, i + leaf.shape[dim], i))  # a table lookup with a negative code
+        v = leaf[tuple(idx)] if idx else leaf.reshape(())
+        return round_to(v.to(container(leaf.dtype)) if v.dtype not in FP8_DTYPES else v.float(), d) \
+            if v.dtype != torch.bool else v.to(torch.int32)
+    if op == "index":
+        return _as_tensor(arg(ins.args[0]), device).to(c)
+    if op == "const":
+        return torch.tensor(ins.args[0], device=device).to(c)
+    if op == "select":
+        cond = _as_tensor(eval_index(ins.args[0], env), device)
+        return torch.where(cond, arg(ins.args[1]).to(c), arg(ins.args[2]).to(c))
+    if op == "where":
+        cond, a, b = (arg(x) for x in ins.args)
+        return torch.where(cond != 0, a.to(c), b.to(c))
+    if op == "cast":
+        return round_to(arg(ins.args[0]), d)
+    if op == "bitcast":
+        return bitcast(arg(ins.args[0]), instrs[ins.args[0].i].dtype, d)
+    xs = [arg(a) for a in ins.args]
+    if op in UNARY:
+        (x,) = xs
+        if op == "neg":
+            r = -x
+        elif op == "abs":
+            r = x.abs()
+        elif op == "not":
+            r = ~x if is_int(d) and d != torch.bool else (x == 0)
+        elif op == "exp2":
+            r = torch.exp2(x.to(c))
+        return wrap_int(r.to(c), d) if is_int(d) else r.to(c)
+    x, y = xs
+    if op in CMP:
+        r = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}[op](x, y)
+        return r.to(torch.int32)
+    x, y = _as_tensor(x, device).to(c), _as_tensor(y, device).to(c)
+    if op == "add":
+        r = x + y
+    elif op == "sub":
+        r = x - y
+    elif op == "mul":
+        r = x * y
+    elif op == "div":
+        r = x / y
+    elif op == "and":
+        r = x & y
+    elif op == "or":
+        r = x | y
+    elif op == "xor":
+        r = x ^ y
+    elif op == "shl":
+        r = x << y
+    elif op == "shr":
+        r = x >> y
+    elif op == "max":
+        r = torch.maximum(x, y)
+    elif op == "min":
+        r = torch.minimum(x, y)
+    else:
+        raise NotImplementedError(op)
+    return wrap_int(r, d) if is_int(d) else r

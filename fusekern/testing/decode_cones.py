@@ -1,0 +1,49 @@
+"""Run user decode code through the post-grad graph and check the decode program against it.
+
+``post_grad_graph(fn, *args)`` compiles ``fn`` with stock inductor and captures the graph the
+post-grad passes see (where fusekern's dequant-matmul rewrite runs). ``cone_values(gm, args)`` runs
+that graph eagerly and returns every node's value, so a test can compare the decode program's output
+with the weight operand the user's code actually computed.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def post_grad_graph(fn, *args, dynamic=False) -> tuple[torch.fx.GraphModule, list]:
+    """The post-grad graph of ``fn`` and the inputs its placeholders take, in order."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    captured, inputs = [], []
+
+    def capture(graph):
+        captured.append(copy.deepcopy(graph.owning_module))  # holds the graph's constants too
+
+    def backend(gm, example_inputs):
+        inputs[:] = list(example_inputs)  # dynamo's order: the order the function first reads them
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with config.patch(post_grad_custom_pre_pass=capture, fx_graph_cache=False):
+        torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
+    torch._dynamo.reset()
+    if not captured:
+        raise RuntimeError("inductor ran no post-grad pass")
+    return captured[-1], inputs
+
+
+def node_values(gm: torch.fx.GraphModule, inputs) -> dict:
+    """Every node's value when the captured graph runs on ``inputs`` (from ``post_grad_graph``)."""
+    env = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            env[n] = out
+            return out
+
+    Recorder(gm).run(*[a for a in inputs if isinstance(a, torch.Tensor)])
+    return env
