@@ -28,6 +28,7 @@ class GraphReport:
     stage: str
     fired: collections.Counter = field(default_factory=collections.Counter)
     rejected: list[Rejection] = field(default_factory=list)
+    notes: list[Rejection] = field(default_factory=list)  # what a rewrite says about a match it made
     nodes_before: int = 0
     nodes_after: int = 0
 
@@ -44,6 +45,9 @@ class MatchReport:
             total.update(g.fired)
         return total
 
+    def notes(self) -> list[Rejection]:
+        return [r for g in self.graphs for r in g.notes]
+
     def rejections(self) -> list[Rejection]:
         return [r for g in self.graphs for r in g.rejected]
 
@@ -57,6 +61,8 @@ class MatchReport:
             lines.append(f"  graph {g.graph_id} [{g.stage}] nodes {g.nodes_before} -> {g.nodes_after}")
             for name, n in sorted(g.fired.items()):
                 lines.append(f"    fired    {name:<40} x{n}")
+            for r in g.notes:
+                lines.append(f"      {r.pattern} at {r.node}: {r.reason}")
             for r in g.rejected:
                 lines.append(f"    declined {r.pattern:<40} at {r.node}: {r.reason}")
         quiet = sum(1 for g in self.graphs if not g.fired and not g.rejected)
@@ -114,3 +120,10 @@ def record_rejection(pattern: str, node: str, reason: str) -> None:
     g = getattr(_current, "graph", None)
     if g is not None:
         g.rejected.append(Rejection(pattern, node, reason))
+
+
+def record_note(pattern: str, node: str, text: str) -> None:
+    """What a rewrite found about a match it made (e.g. the weight format it recognized)."""
+    g = getattr(_current, "graph", None)
+    if g is not None:
+        g.notes.append(Rejection(pattern, node, text))

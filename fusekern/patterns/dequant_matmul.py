@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fusekern.kernels import w8a16_linear as kernel
-from fusekern.patterns.registry import register_pattern
+from fusekern.patterns.registry import register_pattern, register_rewrite
 from fusekern.patterns.spec import T
 
 ACT = (torch.bfloat16, torch.float16)
@@ -209,3 +209,29 @@ register_pattern(
     inputs=dict(DEQUANT_INPUTS, s=T("N", dtype=torch.float32, positive=True)), dtypes={"act": ACT},
     check=check_scale_before, description="F.linear(x, (w.to(s.dtype) * s[:, None]).to(x.dtype))", **COMMON,
 )
+
+
+# -- any other decode: the structural matcher --------------------------------------------------------
+# Runs after the exact patterns above (registration order), so forms with a hand-written kernel keep it.
+
+def _decode_rewrite():
+    import hashlib
+    import inspect
+
+    from fusekern.kernels import decode_mm
+    from fusekern.patterns.decode import analysis, formats, program, rewrite
+
+    # The rewrite's cache key covers the analysis, not just the module holding the rewrite function.
+    h = hashlib.sha256()
+    for mod in (analysis, formats, program):
+        h.update(inspect.getsource(mod).encode())
+    version = f"{decode_mm.KERNEL_VERSION}+{h.hexdigest()[:12]}"
+    register_rewrite(
+        rewrite.NAME, rewrite.rewrite_decode_matmuls, family="dequant_matmul", stage="post_grad",
+        kernel_version=version,
+        description="mm / addmm / bmm whose weight is decoded from integer / fp8 / packed codes by "
+                    "elementwise, bit, view, cat and table-lookup ops: one generated fused kernel",
+    )
+
+
+_decode_rewrite()

@@ -147,6 +147,11 @@ class DecodeProgram:
         """The whole decoded weight, computed with the kernel's semantics (see the module doc)."""
         return evaluate(self, leaves, out_dtype=out_dtype)
 
+    def evaluate_at(self, leaves: Sequence[torch.Tensor], out: int, window: dict) -> torch.Tensor:
+        """Instruction ``out``'s values (in its container) on a window of indices, e.g.
+        ``{"k": range(16), "n": [0], "b": 0}``: what format recognition probes."""
+        return evaluate(self, leaves, out=out, window=window)
+
 
 # ----------------------------------------------------------------------------- dtypes
 
@@ -299,20 +304,29 @@ def bitcast(v: torch.Tensor, src: torch.dtype, dst: torch.dtype) -> torch.Tensor
     return out.to(container(dst)) if dst not in (torch.int32, torch.int64, torch.float32, torch.float64) else out
 
 
-def evaluate(prog: DecodeProgram, leaves: Sequence[torch.Tensor], *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def evaluate(prog: DecodeProgram, leaves: Sequence[torch.Tensor], *, out_dtype: torch.dtype | None = None,
+             out: int | None = None, window: dict | None = None) -> torch.Tensor:
     if len(leaves) != len(prog.leaves):
         raise ValueError(f"decode program reads {len(prog.leaves)} leaves, got {len(leaves)}")
     device = leaves[0].device
-    shape = prog.shape
-    grids = torch.meshgrid(*[torch.arange(s, device=device) for s in shape], indexing="ij")
-    env = dict(zip(("b", "k", "n") if prog.batch else ("k", "n"), grids))
-    if not prog.batch:
-        env["b"] = 0
+    if window is None:
+        names = ("b", "k", "n") if prog.batch else ("k", "n")
+        ranges = [torch.arange(s, device=device) for s in prog.shape]
+    else:
+        names = ("k", "n")
+        ranges = [torch.as_tensor(list(window[x]), device=device, dtype=torch.int64) for x in names]
+    grids = torch.meshgrid(*ranges, indexing="ij")
+    shape = grids[0].shape
+    env = dict(zip(names, grids))
+    env.setdefault("b", (window or {}).get("b", 0))
     vals: list[torch.Tensor] = []
-    for ins in prog.instrs:
+    last = prog.out if out is None else out
+    for ins in prog.instrs[: last + 1]:
         vals.append(_eval_instr(ins, prog.instrs, vals, leaves, env, device))
-    out = torch.broadcast_to(vals[prog.out], shape)
-    return round_to(out, prog.dtype).to(out_dtype or prog.dtype)
+    result = torch.broadcast_to(vals[last], shape)
+    if out is not None:
+        return result
+    return round_to(result, prog.dtype).to(out_dtype or prog.dtype)
 
 
 def _as_tensor(x, device, dtype=None) -> torch.Tensor:
@@ -336,9 +350,11 @@ def _eval_instr(ins: Instr, instrs, vals, leaves, env, device) -> torch.Tensor:
         leaf = leaves[ins.args[0]]
         idx = []
         for dim, a in enumerate(ins.args[1:]):
-            i = arg(a)
-            i = _as_tensor(i, device).to(torch.int64)
-            idx.append(torch.where(i < 0, i + leaf.shape[dim], i))  # a table lookup with a negative code
+            i = _as_tensor(arg(a), device).to(torch.int64)
+            if isinstance(a, Ref):
+                i = torch.where(i < 0, i + leaf.shape[dim], i)  # a table lookup with a negative code
+            # Clamped, as the kernel does: a cat part's index is out of range where the part is not selected.
+            idx.append(i.clamp(0, leaf.shape[dim] - 1))
         v = leaf[tuple(idx)] if idx else leaf.reshape(())
         return round_to(v.to(container(leaf.dtype)) if v.dtype not in FP8_DTYPES else v.float(), d) \
             if v.dtype != torch.bool else v.to(torch.int32)

@@ -1,0 +1,138 @@
+"""The structural dequant -> matmul rewrite: any weight-decode cone feeding mm / addmm / bmm.
+
+For each matmul whose weight operand is computed from packed codes (``analysis.find_cone``), the cone
+is analysed into a decode program; if the program, dtypes and devices fit, the matmul and its cone
+become one ``fusekern::decode_mm`` call (the weight is decoded inside the GEMM's load stage). Else the
+graph stays as written and the match report says why — for candidates only: matmuls whose weight is
+computed from integer / fp8 inputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from fusekern.kernels import decode_mm as kernel
+from fusekern.patterns.decode.analysis import CODE_DTYPES, Cone, Unsupported, analyse, find_cone, weight_operand
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.program import DecodeProgram
+
+aten = torch.ops.aten
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+NAME = "decode_matmul"
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _is_candidate(mm: Node) -> bool:
+    """Worth a line in the report: the weight operand is computed from integer or fp8 graph inputs."""
+    try:
+        _, w = weight_operand(mm)
+    except Unsupported:
+        return False
+    if not isinstance(w, Node) or w.op != "call_function":
+        return False
+    seen, stack = set(), [w]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            v = _val(n)
+            if isinstance(v, torch.Tensor) and v.dtype in CODE_DTYPES and v.numel() > 256:
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def plan(mm: Node) -> tuple[Cone, DecodeProgram]:
+    """The cone and its program if this matmul may be replaced; raises Unsupported otherwise."""
+    cone = find_cone(mm)
+    act = mm.args[0] if mm.target != aten.addmm.default else mm.args[1]
+    xv = _val(act)
+    if not isinstance(xv, torch.Tensor):
+        raise Unsupported("the activation has no tensor metadata")
+    if xv.dtype not in kernel.SUPPORTED_ACT_DTYPES:
+        raise Unsupported(f"activation dtype {xv.dtype} (fp16 / bf16 / fp32 only)")
+    if xv.device.type not in ("cpu", "cuda"):
+        raise Unsupported(f"activation on {xv.device}")
+    prog = analyse(cone)
+    if prog.dtype != xv.dtype:
+        raise Unsupported(f"the decoded weight is {prog.dtype}, the activation {xv.dtype}")
+    for leaf in cone.leaves:
+        if _val(leaf).device != xv.device:
+            raise Unsupported(f"{leaf.name} is on {_val(leaf).device}, the activation on {xv.device}")
+    if mm.target == aten.bmm.default and not prog.batch:
+        raise Unsupported("bmm with a 2-D weight")
+    try:
+        kernel.decode_source(prog)
+    except NotImplementedError as e:
+        raise Unsupported(f"no kernel for this decode: {e}") from None
+    return cone, prog
+
+
+def _constants(graph: Graph, cone: Cone) -> dict:
+    """Values of the leaves that are constants of the graph (lookup tables, shift tables)."""
+    out = {}
+    gm = graph.owning_module
+    for i, leaf in enumerate(cone.leaves):
+        if leaf.op == "get_attr" and gm is not None:
+            v = getattr(gm, leaf.target, None)
+            if isinstance(v, torch.Tensor) and v.numel() <= 256:
+                out[i] = v.detach().cpu()
+    return out
+
+
+def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
+    mm = cone.matmul
+    if mm.target == aten.addmm.default:
+        bias, act = mm.args[0], mm.args[1]
+    else:
+        bias, act = None, mm.args[0]
+    fmt = recognize(prog, _constants(graph, cone))
+    mode = _val(act).fake_mode
+    leaves = []
+    with graph.inserting_before(mm):
+        for leaf in cone.leaves:
+            if leaf.op == "get_attr":
+                # A graph constant (a lookup table): its meta value is real; inductor lowers the op with
+                # fake tensors, so pass a lifted copy, as the user's graph did.
+                lifted = graph.call_function(aten.lift_fresh_copy.default, (leaf,))
+                lifted.meta["val"] = mode.from_tensor(_val(leaf)) if not _is_fake(_val(leaf)) else _val(leaf)
+                leaf = lifted
+            leaves.append(leaf)
+        args = (act, leaves, prog.to_text(), bias)
+        out = graph.call_function(kernel.decode_mm.default, args)
+    vals = [_val(act), [_val(l) for l in leaves], args[2], _val(bias) if bias is not None else None]
+    with mode:
+        out.meta["val"] = kernel.decode_mm(*vals)
+    out.meta["fusekern_format"] = fmt
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in mm.meta:
+            out.meta[key] = mm.meta[key]
+    mm.replace_all_uses_with(out)
+    return fmt.describe()
+
+
+def rewrite_decode_matmuls(graph: Graph) -> int:
+    from fusekern.compiler_pass.report import record_note, record_rejection
+
+    fired = 0
+    for mm in [n for n in graph.nodes if n.op == "call_function" and n.target in MATMULS]:
+        try:
+            cone, prog = plan(mm)
+        except Unsupported as why:
+            if _is_candidate(mm):
+                record_rejection(NAME, mm.name, str(why))
+            continue
+        record_note(NAME, mm.name, _replace(graph, cone, prog))
+        fired += 1
+    return fired
