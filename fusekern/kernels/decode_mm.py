@@ -204,6 +204,11 @@ def decode_source(prog: DecodeProgram) -> str:
                 if st:
                     terms.append(f"{idx} * {st}" if st != 1 else idx)
             offset = " + ".join(terms) or "0"
+            per_element = any(isinstance(a, Ref) or ({K, N} & a.free_symbols if isinstance(a, sympy.Basic) else False)
+                              for a in args[1:])
+            if not per_element:  # one value for the whole tile (a per-tensor scale): a scalar load
+                lines.append(f"v{i} = tl.load(L{args[0]} + ({offset}))" + ("" if leaf.dtype == c else f".to({tl_dtype(c)})"))
+                continue
             mask = " & ".join(["wmask", *conds])
             # No ``other`` for fp8 (the interpreter cannot cast 0 to fp8); masked lanes are zeroed at the end.
             other = "" if leaf.dtype in FP8_DTYPES else ", other=0"
@@ -367,8 +372,10 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
 
 
 def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None,
-                     config: Config | None = None) -> torch.Tensor:
-    """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter)."""
+                     config: Config | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter).
+
+    workspace: optional ``[SPLIT_K, batch, M, N]`` buffer the kernel writes (tests pass one full of NaN)."""
     prog = DecodeProgram.from_text(text)
     _check_args(x, leaves, prog, bias)
     if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, prog.leaves)):
@@ -378,7 +385,9 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     Bt, M = x3.shape[0], x3.shape[1]
     cfg = config or select_config(M, prog.N, prog.K, Bt, sm_count(x.device) if x.is_cuda else 132)
     out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
-    out = torch.empty((cfg.SPLIT_K, Bt, M, prog.N), device=x.device, dtype=out_dtype)
+    out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, Bt, M, prog.N), device=x.device, dtype=out_dtype)
+    if tuple(out.shape) != (cfg.SPLIT_K, Bt, M, prog.N) or out.dtype != out_dtype:
+        raise ValueError(f"decode_mm_triton: workspace must be {out_dtype}[{cfg.SPLIT_K}, {Bt}, {M}, {prog.N}]")
     has_bias = bias is not None and cfg.SPLIT_K == 1
     b2 = bias.expand(M, prog.N) if has_bias else x
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(prog.N, cfg.BLOCK_N), cfg.SPLIT_K, Bt)

@@ -62,7 +62,7 @@ IDENTITY = {aten.clone.default, aten.lift_fresh_copy.default, aten.alias.default
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.permute.default,
          aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim,
          aten.squeeze.dims, aten.expand.default, aten.slice.Tensor, aten.select.int}
-OTHER = {prims.convert_element_type.default, aten.where.self, aten.cat.default, prims.iota.default,
+OTHER = {prims.convert_element_type.default, aten._to_copy.default, aten.where.self, aten.cat.default, prims.iota.default,
          aten.full.default, aten.scalar_tensor.default, aten.view.dtype, aten.index.Tensor,
          aten.pow.Scalar, aten.pow.Tensor_Scalar}
 SUPPORTED = set(BINARY) | set(UNARY) | IDENTITY | VIEWS | OTHER
@@ -251,6 +251,11 @@ class _Builder:
             return self._view(node, t, shape, idx)
         if t == prims.convert_element_type.default:
             return self.cast(self.value(a[0], idx), a[1])
+        if t == aten._to_copy.default:  # .to(dtype) in graphs traced without decompositions
+            extra = set(node.kwargs) - {"dtype", "layout", "memory_format"}
+            if extra or _val(a[0]).device != v.device:
+                raise Unsupported(f"{node.name}: _to_copy with {sorted(extra) or 'a device change'}")
+            return self.cast(self.value(a[0], idx), v.dtype)
         if t == aten.view.dtype:
             src = self.value(a[0], idx)
             if self.dtype(src).itemsize != v.dtype.itemsize:

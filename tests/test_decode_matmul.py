@@ -1,0 +1,398 @@
+"""The structural dequant -> matmul matcher: cones, decode programs, formats, generated kernels, near misses.
+
+CPU: every decode in the zoo (each format issue 3 names, and five spellings of one int4 format) is
+analysed, recognized, compiled through ``backend="fusekern"`` and compared with eager; the generated
+Triton kernel runs in the interpreter against its float64 reference on odd shapes, poisoned outputs,
+strided and misaligned inputs. Property tests draw shapes, group sizes, dtypes and packings.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fusekern.kernels import decode_mm as dm
+from fusekern.patterns.decode.analysis import Unsupported, analyse, find_cone
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.testing import assert_compiled, rel_err
+from fusekern.testing.decode_cones import node_values, post_grad_graph
+from fusekern.testing.decode_zoo import BY_NAME, CASES
+
+aten = torch.ops.aten
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# The exact W8A16 patterns run first; switch them off where a case is about the structural matcher.
+EXACT = ["w8a16_linear_scale_bias", "w8a16_linear_scale", "w8a16_dequant_linear_bias", "w8a16_dequant_linear",
+         "w8a16_dequant_linear_col_scale", "w8a16_dequant_fp32_linear"]
+ONLY_STRUCTURAL = {"fusekern.disable": EXACT}
+
+
+def sizes(case, K=256, N=96):
+    """(K, N, G) for a zoo case: odd N where the format allows it, 128-multiples for 128x128 blocks."""
+    if case.name == "fp8_block":
+        return 256, 384, 128
+    G = case.group if case.group != 128 else 64
+    return K, N, G
+
+
+def captured(case, M=3, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    K, N, G = sizes(case)
+    ws = case.make(K, N, G, "cpu")
+    x = torch.randn(M, K, dtype=dtype)
+    gm, inputs = post_grad_graph(case.fn, x, *ws)
+    mm = next(n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default))
+    return gm, inputs, mm, x, ws
+
+
+# ----------------------------------------------------------------------------- analysis and formats
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_program_computes_the_users_weight(case):
+    gm, inputs, mm, _, _ = captured(case)
+    env = node_values(gm, inputs)
+    cone = find_cone(mm)
+    prog = analyse(cone)
+    leaves = [env[leaf] for leaf in cone.leaves]
+    want = env[cone.root]
+    got = prog.evaluate(leaves)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Exact except where eager rounds a bf16 intermediate that the program (like inductor) keeps in fp32.
+    assert rel_err(got, want) <= (0 if case.name != "hqq" else TOL[torch.bfloat16])
+    again = DecodeProgram.from_text(prog.to_text())
+    assert torch.equal(again.evaluate(leaves), got)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_format_is_recognized(case):
+    gm, _, mm, _, _ = captured(case)
+    cone = find_cone(mm)
+    prog = analyse(cone)
+    consts = {i: getattr(gm, leaf.target) for i, leaf in enumerate(cone.leaves) if leaf.op == "get_attr"}
+    fmt = recognize(prog, consts)
+    assert fmt.name == case.format, fmt.describe()
+
+
+def test_format_details():
+    """What the recognizer reads off the probes: packing axis, field order, groups, zero points."""
+    def fmt_of(name):
+        gm, _, mm, _, _ = captured(BY_NAME[name])
+        cone = find_cone(mm)
+        consts = {i: getattr(gm, leaf.target) for i, leaf in enumerate(cone.leaves) if leaf.op == "get_attr"}
+        return recognize(analyse(cone), consts)
+
+    g = fmt_of("gptq")
+    assert (g.bits, g.pack_axis, g.pack_order, g.scale, g.group_k, g.zero) == (4, "K", tuple(range(8)), "group", 64, "packed")
+    a = fmt_of("awq")
+    assert (a.pack_axis, a.pack_order, a.zero) == ("N", (0, 4, 1, 5, 2, 6, 3, 7), "packed")
+    n = fmt_of("int4_n")
+    assert (n.pack_axis, n.pack_order, n.zero) == ("N", (0, 1), "const")
+    assert fmt_of("fp8_block").scale == "block" and fmt_of("fp8_block").group_n == 128
+    assert fmt_of("fp8_tensor").scale == "tensor"
+    assert fmt_of("int8_channel").scale == "channel"
+    mx, nv = fmt_of("mxfp4"), fmt_of("nvfp4")
+    assert (mx.scale_encoding, mx.group_k, mx.global_scale) == ("e8m0", 32, False)
+    assert (nv.scale_encoding, nv.group_k, nv.global_scale) == ("fp8", 16, True)
+    assert fmt_of("hqq").zero == "float"
+
+
+def test_five_spellings_give_one_program_semantics():
+    """stack vs cat, cast before / after the subtraction, shifts by tensor vs ints, view vs reshape,
+    [:, None] vs unsqueeze: the same weights decode to the same values and the same format."""
+    names = ["int4_k_stack", "int4_k_cat", "int4_k_shift_tensor", "int4_k_arange"]
+    K, N, G = sizes(BY_NAME[names[0]])
+    torch.manual_seed(3)
+    ws = BY_NAME[names[0]].make(K, N, G, "cpu")
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    decoded, formats = [], set()
+    for name in names:
+        gm, inputs = post_grad_graph(BY_NAME[name].fn, x, *ws)
+        env = node_values(gm, inputs)
+        mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+        cone = find_cone(mm)
+        prog = analyse(cone)
+        w = prog.evaluate([env[leaf] for leaf in cone.leaves])
+        decoded.append(w if w.shape == (K, N) else w.t())
+        formats.add(recognize(prog, {i: getattr(gm, l.target) for i, l in enumerate(cone.leaves) if l.op == "get_attr"}))
+    for w in decoded[1:]:
+        assert torch.equal(w, decoded[0])
+    assert len({f.describe() for f in formats}) == 1
+
+
+# ----------------------------------------------------------------------------- through the backend
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_zoo_compiles_and_matches_eager(case):
+    K, N, G = sizes(case)
+    torch.manual_seed(1)
+    ws = case.make(K, N, G, "cpu")
+    x = torch.randn(5, K, dtype=torch.bfloat16)
+    check = assert_compiled(case.fn, (x, *ws), fired={"decode_matmul": 1}, gone=["aten.mm.default"],
+                            present=["fusekern.decode_mm.default"], options=ONLY_STRUCTURAL)
+    assert check.errors[0] <= TOL[torch.bfloat16]
+
+
+def test_report_names_the_format():
+    import fusekern
+
+    case = BY_NAME["gptq"]
+    K, N, G = sizes(case)
+    assert_compiled(case.fn, (torch.randn(2, K, dtype=torch.bfloat16), *case.make(K, N, G, "cpu")),
+                    fired={"decode_matmul": 1})
+    text = str(fusekern.match_report())
+    assert "gptq, 4-bit, 8 per int32 along K" in text, text
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_activation_dtypes(dtype):
+    def fn(x, wp, s):
+        w = torch.stack([wp & 15, wp >> 4], -1).reshape(wp.shape[0], -1).to(x.dtype) - 8
+        return F.linear(x, w * s.repeat_interleave(32, 1))
+
+    wp = torch.randint(0, 256, (48, 80), dtype=torch.uint8)
+    s = (torch.rand(48, 5) * 0.1).to(dtype)
+    check = assert_compiled(fn, (torch.randn(7, 160, dtype=dtype), wp, s), fired={"decode_matmul": 1})
+    assert check.errors[0] <= TOL[dtype]
+
+
+class AWQLinear(torch.nn.Module):
+    """Weights as buffers, as a model holds them: dynamo keeps their shapes static under dynamic=True."""
+
+    def __init__(self, K, N, G):
+        super().__init__()
+        for name, t in zip(("qweight", "qzeros", "scales"), BY_NAME["awq"].make(K, N, G, "cpu")):
+            self.register_buffer(name, t)
+
+    def forward(self, x):
+        return BY_NAME["awq"].fn(x, self.qweight, self.qzeros, self.scales)
+
+
+def test_dynamic_m_and_3d_activations():
+    K, N, G = sizes(BY_NAME["awq"])
+    layer = AWQLinear(K, N, G)
+    x = torch.randn(2, 3, K, dtype=torch.bfloat16)
+    assert_compiled(layer, (x,), fired={"decode_matmul": 1}, dynamic=True,
+                    extra_args=[(torch.randn(2, 9, K, dtype=torch.bfloat16),),
+                                (torch.randn(3, 4, K, dtype=torch.bfloat16),)])
+
+
+def test_bias_through_addmm():
+    def fn(x, wp, s, b):
+        w = torch.cat([(wp & 15)[..., None], (wp >> 4)[..., None]], -1).view(wp.shape[0], -1)
+        return F.linear(x, (w.to(x.dtype) - 8) * s[:, None], b)
+
+    wp = torch.randint(0, 256, (40, 64), dtype=torch.uint8)
+    args = (torch.randn(6, 128, dtype=torch.bfloat16), wp, torch.rand(40, dtype=torch.bfloat16) * 0.1,
+            torch.randn(40, dtype=torch.bfloat16))
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, gone=["aten.addmm.default"])
+
+
+def test_batched_weights_through_bmm():
+    def fn(x, wq, s):  # [E, K, N] int8 experts, per-expert-channel scales
+        return torch.bmm(x, wq.to(x.dtype) * s[:, None, :])
+
+    wq = torch.randint(-128, 128, (3, 64, 40), dtype=torch.int8)
+    args = (torch.randn(3, 5, 64, dtype=torch.bfloat16), wq, torch.rand(3, 40, dtype=torch.bfloat16) * 0.1)
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, gone=["aten.bmm.default"])
+
+
+def test_noncontiguous_packed_weights():
+    def fn(x, wp, s):
+        w = torch.stack([wp & 15, wp >> 4], -1).reshape(wp.shape[0], -1).to(x.dtype) - 8
+        return F.linear(x, w * s[:, None])
+
+    wp = torch.randint(0, 256, (64, 48), dtype=torch.uint8).t()  # [48, 64] with strides (1, 48)
+    args = (torch.randn(4, 128, dtype=torch.bfloat16), wp, torch.rand(48, dtype=torch.bfloat16) * 0.1)
+    assert_compiled(fn, args, fired={"decode_matmul": 1})
+
+
+# ----------------------------------------------------------------------------- near misses
+
+
+def _declined(fn, args, reason_part):
+    import fusekern
+
+    assert_compiled(fn, args, fired={}, options=ONLY_STRUCTURAL)
+    reasons = [r.reason for r in fusekern.match_report().rejections() if r.pattern == "decode_matmul"]
+    assert any(reason_part in r for r in reasons), reasons
+
+
+def test_declines_when_the_dequantized_weight_is_also_returned():
+    def fn(x, w, s):
+        wd = w.to(x.dtype) * s[:, None]
+        return F.linear(x, wd) + wd.sum()
+
+    _declined(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-9, 9, (16, 32), dtype=torch.int8),
+                   torch.rand(16, dtype=torch.bfloat16)), "needed anyway")
+
+
+def test_declines_activations_as_leaves():
+    def fn(x, w):
+        return x @ (w.to(x.dtype) * x[0, :, None])  # the "scale" comes from the activation
+
+    _declined(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-9, 9, (32, 16), dtype=torch.int8)),
+              "activation")
+
+
+def test_declines_reductions_inside_the_cone():
+    def fn(x, w):
+        wf = w.to(x.dtype)
+        return F.linear(x, wf - wf.mean(dim=1, keepdim=True))
+
+    _declined(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-9, 9, (16, 32), dtype=torch.int8)),
+              "in the weight's computation")
+
+
+def test_declines_large_lookup_tables():
+    def fn(x, codes, table):
+        return F.linear(x, table[codes.long()].to(x.dtype))
+
+    _declined(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 300, (16, 32), dtype=torch.int16),
+                   torch.randn(300)), "at most 256")
+
+
+def test_plain_weights_are_not_candidates():
+    import fusekern
+
+    def fn(x, w, s):
+        return F.linear(x, w * s[:, None])  # bf16 weight: nothing to decode
+
+    assert_compiled(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16),
+                         torch.rand(16, dtype=torch.bfloat16)), fired={}, options=ONLY_STRUCTURAL)
+    assert not [r for r in fusekern.match_report().rejections() if r.pattern == "decode_matmul"]
+
+
+def test_declines_index_math_that_overflows_int32():
+    """Shapes are never materialized: the analysis reads fake tensors only."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x, wp, s):
+        w = torch.stack([wp & 15, wp >> 4], -1).reshape(wp.shape[0], -1).to(x.dtype)
+        return torch.mm(x, (w * s[:, None]).t())
+
+    N, K = 65536, 65536  # the decoded weight has 2**32 elements
+    args = (torch.empty(64, K, dtype=torch.bfloat16, device="meta"),
+            torch.empty(N, K // 2, dtype=torch.uint8, device="meta"), torch.empty(N, dtype=torch.bfloat16, device="meta"))
+    from torch._inductor.decomposition import select_decomp_table
+
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*args)
+    gm.graph.eliminate_dead_code()
+    mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+    with pytest.raises(Unsupported, match="overflow int32"):
+        analyse(find_cone(mm))
+
+
+# ----------------------------------------------------------------------------- the generated kernel
+
+
+def _program(case, seed=0):
+    gm, inputs, mm, _, _ = captured(case, seed=seed)
+    env = node_values(gm, inputs)
+    cone = find_cone(mm)
+    prog = analyse(cone)
+    return prog.to_text(), [env[leaf].to(DEVICE) for leaf in cone.leaves]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("M", [1, 5, 70])
+def test_generated_kernel_matches_reference(case, M):
+    text, leaves = _program(case)
+    prog = DecodeProgram.from_text(text)
+    x = torch.randn(M, prog.K, device=DEVICE).to(torch.bfloat16)
+    cfg = dm.select_config(M, prog.N, prog.K)
+    ws = torch.full((cfg.SPLIT_K, 1, M, prog.N), float("nan"), device=DEVICE,
+                    dtype=torch.float32 if cfg.SPLIT_K > 1 else torch.bfloat16)
+    got = dm.decode_mm_triton(x, leaves, text, workspace=ws)
+    want = dm.decode_mm_reference(x, leaves, text)
+    assert not got.isnan().any()
+    assert rel_err(got, want) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cfg", [dm.Config(1, 16, 32, 3, 1, 4, 2), dm.Config(16, 32, 32, 2, 1, 4, 2),
+                                 dm.Config(32, 16, 64, 1, 2, 4, 2)], ids=["gemv_split3", "dot_split2", "dot_grouped"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_generated_kernel_paths_and_layouts(cfg, layout):
+    text, leaves = _program(BY_NAME["gptq"], seed=4)
+    prog = DecodeProgram.from_text(text)
+    M = 37
+    x = torch.randn(M, prog.K, device=DEVICE).to(torch.float16)
+    if layout == "strided":
+        x = torch.cat([x, x], 1)[:, ::2]
+    elif layout == "misaligned":
+        x = torch.cat([torch.zeros(1, dtype=x.dtype, device=DEVICE), x.flatten()])[1:].view(M, prog.K)
+    # The program decodes to bf16 for a bf16 graph: rebuild it for fp16 activations.
+    text = text.replace('"bfloat16"', '"float16"')
+    leaves = [t.to(torch.float16) if t.dtype == torch.bfloat16 else t for t in leaves]
+    bias = torch.randn(prog.N, device=DEVICE).to(torch.float16)
+    got = dm.decode_mm_triton(x, leaves, text, bias=bias, config=cfg)
+    want = dm.decode_mm_reference(x, leaves, text, bias=bias)
+    assert rel_err(got, want) <= TOL[torch.float16]
+
+
+def test_kernel_rejects_bad_input():
+    text, leaves = _program(BY_NAME["int4_k_sym"])
+    prog = DecodeProgram.from_text(text)
+    with pytest.raises(ValueError, match="does not fit"):
+        dm.decode_mm(torch.randn(2, prog.K + 1, dtype=torch.bfloat16, device=DEVICE), leaves, text, None)
+    with pytest.raises(ValueError, match="decoded weight is"):
+        dm.decode_mm(torch.randn(2, prog.K, device=DEVICE), leaves, text, None)
+    with pytest.raises(ValueError, match="leaf 0"):
+        dm.decode_mm(torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE), [leaves[0][:1], *leaves[1:]], text, None)
+
+
+# ----------------------------------------------------------------------------- property tests
+
+
+def _int4_decode(axis: str, word: torch.dtype, G: int, sym: bool):
+    """A user decode: int4 packed along ``axis`` in ``word`` words (sequential nibbles), groups of G along K."""
+    per = word.itemsize * 2
+
+    def fn(x, wp, s, z):
+        shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32, device=wp.device)
+        if axis == "K":  # wp [N, K/per]
+            q = ((wp.to(torch.int32)[:, :, None] >> shifts) & 15).reshape(wp.shape[0], -1)
+        else:  # wp [N/per, K]
+            q = ((wp.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, wp.shape[1])
+        q = q.reshape(q.shape[0], -1, G)
+        q = (q - 8) if sym else (q - z[..., None])
+        return F.linear(x, (q.to(x.dtype) * s[..., None]).reshape(q.shape[0], -1))
+
+    return fn
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_words=st.integers(1, 6), k_groups=st.integers(1, 3), G=st.sampled_from([32, 64, 128]),
+    axis=st.sampled_from(["K", "N"]), word=st.sampled_from([torch.uint8, torch.int32]),
+    sym=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    M=st.integers(1, 40),
+)
+def test_property_int4_packings(n_words, k_groups, G, axis, word, sym, dtype, M):
+    per = word.itemsize * 2
+    K = G * k_groups
+    N = per * n_words if axis == "N" else 8 * n_words + 3
+    if axis == "N":
+        wp = torch.randint(-2**31 if word == torch.int32 else 0, 2**31 - 1 if word == torch.int32 else 256,
+                           (N // per, K), dtype=torch.int64).to(word)
+    else:
+        wp = torch.randint(-2**31 if word == torch.int32 else 0, 2**31 - 1 if word == torch.int32 else 256,
+                           (N, K // per), dtype=torch.int64).to(word)
+    s = (torch.rand(N, K // G) * 0.05 + 0.01).to(dtype)
+    z = torch.randint(0, 16, (N, K // G), dtype=torch.int32)
+    fn = _int4_decode(axis, word, G, sym)
+    x = torch.randn(M, K, dtype=dtype)
+    gm, inputs = post_grad_graph(fn, x, wp, s, z)
+    mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+    cone = find_cone(mm)
+    prog = analyse(cone)
+    fmt = recognize(prog)
+    assert (fmt.bits, fmt.pack_axis, fmt.pack_order, fmt.group_k) == (4, axis, tuple(range(per)), G if k_groups > 1 else K)
+    assert fmt.zero == ("const" if sym else "int")
+    env = node_values(gm, inputs)
+    leaves = [env[leaf] for leaf in cone.leaves]
+    assert torch.equal(prog.evaluate(leaves), env[cone.root])
+    got = dm.decode_mm_triton(x.to(DEVICE), [t.to(DEVICE) for t in leaves], prog.to_text())
+    assert rel_err(got, dm.decode_mm_reference(x.to(DEVICE), [t.to(DEVICE) for t in leaves], prog.to_text())) <= TOL[dtype]
