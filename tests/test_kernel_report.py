@@ -55,6 +55,12 @@ def test_shipped_configs_have_no_local_memory(report):
     assert not spilling, spilling
 
 
+def test_shipped_configs_fit_sm90_shared_memory(report):
+    _, rows = report
+    too_big = [r for r in rows if r["shipped"] and r["shared"] > 232448]  # 227 KiB per block on sm_90a
+    assert not too_big, too_big
+
+
 def test_shipped_hints_never_cost_registers(report):
     _, rows = report
     off = {(r["kernel"], r["config"]): r["registers"] for r in rows if r["remat"] == "off"}

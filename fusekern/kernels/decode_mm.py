@@ -68,13 +68,17 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Con
     if M == 1:
         tiles = batch * triton.cdiv(N, 64)
         split = _split_k(tiles, k_tiles, sms)
-        return Config(1, 64, 128, split, 1, 4, 3)
+        # 8 warps: a [128, 64] tile decoded at 4 warps held 64 values per thread and spilled on some
+        # decodes (255 registers for shifts read from a tensor, sm_90a).
+        return Config(1, 64, 128, split, 1, 8, 3)
     if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
         tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
         split = _split_k(tiles, k_tiles, sms)
-        return Config(bm, 64, 128, split, 1, 4, 3)
-    return Config(128, 128, 64, 1, 8, 8, 3)
+        return Config(bm, 64, 128, split, 1, 4, 2)
+    # Two stages: Triton stages every leaf load as a full [BLOCK_K, BLOCK_N] tile in shared memory, in
+    # its container width; AWQ's three int32 loads needed 288 KiB at three stages (sm_90a: 227 KiB).
+    return Config(128, 128, 64, 1, 8, 8, 2)
 
 
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
@@ -371,6 +375,25 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
 
 
+_stages: dict = {}  # (program, config) -> the pipeline depth that fits in shared memory
+
+
+def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
+    """Launch with ``cfg.num_stages``, or fewer when a decode's staged loads overflow shared memory
+    (the first launch finds out; the depth that fit is remembered for this program and config)."""
+    key = (text, cfg)
+    stages = _stages.get(key, cfg.num_stages)
+    while True:
+        try:
+            kernel_for(text)[grid](*args, num_stages=stages, **kwargs)
+            _stages[key] = stages
+            return
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+
+
 def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None,
                      config: Config | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter).
@@ -391,13 +414,13 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     has_bias = bias is not None and cfg.SPLIT_K == 1
     b2 = bias.expand(M, prog.N) if has_bias else x
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(prog.N, cfg.BLOCK_N), cfg.SPLIT_K, Bt)
-    kernel_for(text)[grid](
+    _launch(text, cfg, grid,
         x3, b2, out, *leaves, M, x3.stride(0), x3.stride(1), x3.stride(2),
         b2.stride(0) if has_bias else 0, b2.stride(1) if has_bias else 0,
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
     )
     if cfg.SPLIT_K > 1:
         res = out.sum(0)  # a fixed order: deterministic
@@ -407,6 +430,66 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     else:
         out = out[0]
     return out if batched else out[0]
+
+
+# ----------------------------------------------------------------------------- builds for the report
+
+REPORT_FORMATS = ("gptq", "awq", "int4_k_stack", "fp8_block", "mxfp4", "nvfp4")
+REPORT_MS = (1, 16, 2048)
+_PTR = {torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64",
+        torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv",
+        torch.float8_e5m2: "*fp8e5", torch.bool: "*i1"}
+
+
+def report_program(name: str, N: int = 8192, K: int = 8192) -> str:
+    """The decode program of a zoo format at N x K, traced without running inductor (fake tensors)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusekern.compiler_pass.canonicalize import canonicalize
+    from fusekern.patterns.decode.analysis import analyse, find_cone
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    case = BY_NAME[name]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # shapes only: nothing is allocated
+        ws = [torch.empty(_scaled_shape(t.shape, N, K), dtype=t.dtype) for t in case.make(256, 256, case.group, "cpu")]
+        x = torch.empty(2, K, dtype=torch.bfloat16)
+    gm = make_fx(case.fn, tracing_mode="fake", decomposition_table=select_decomp_table(),
+                 _allow_non_fake_inputs=True)(x, *ws)
+    gm.graph.eliminate_dead_code()
+    canonicalize(gm.graph)
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    return analyse(find_cone(mm)).to_text()
+
+
+def _scaled_shape(shape, N, K):
+    """A zoo weight's shape drawn at 256 x 256, scaled to N x K (every zoo dim is N or K over a constant)."""
+    return tuple(s * (N // 256) if s > 1 else s for s in shape)
+
+
+def aot_builds():
+    """The generated kernel for a few zoo formats at N = K = 8192, in the config each report M picks."""
+    from fusekern.kernels.catalog import TritonBuild
+
+    builds = []
+    for name in REPORT_FORMATS:
+        text = report_program(name)
+        prog = DecodeProgram.from_text(text)
+        fn = kernel_for(text)
+        for M in REPORT_MS:
+            cfg = select_config(M, prog.N, prog.K)
+            args = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32" if cfg.SPLIT_K > 1 else "*bf16", M=M,
+                        stride_xb=M * prog.K, stride_xm=prog.K, stride_xk=1, stride_bm=0, stride_bn=0,
+                        stride_os=M * prog.N, stride_ob=M * prog.N, stride_om=prog.N, stride_on=1)
+            args.update({f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)})
+            constexprs = dict(HAS_BIAS=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                              SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=False)
+            label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K} "
+                     f"w{cfg.num_warps} s{cfg.num_stages} [{M}x{prog.N}x{prog.K}]")
+            builds.append(TritonBuild("decode_mm", label, fn, args, constexprs, cfg.num_warps, cfg.num_stages))
+    return builds
 
 
 # ----------------------------------------------------------------------------- reference
