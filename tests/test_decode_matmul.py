@@ -297,14 +297,16 @@ def _program(case, seed=0):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("M", [1, 5, 70])
+@pytest.mark.parametrize("M", [1, 5, 70, 300])
 def test_generated_kernel_matches_reference(case, M):
     text, leaves = _program(case)
     prog = DecodeProgram.from_text(text)
     x = torch.randn(M, prog.K, device=DEVICE).to(torch.bfloat16)
     cfg = dm.select_config(M, prog.N, prog.K)
-    ws = torch.full((cfg.SPLIT_K, 1, M, prog.N), float("nan"), device=DEVICE,
-                    dtype=torch.float32 if cfg.SPLIT_K > 1 else torch.bfloat16)
+    ws = None
+    if isinstance(cfg, dm.Config):  # the fused paths write a workspace: poison it
+        ws = torch.full((cfg.SPLIT_K, 1, M, prog.N), float("nan"), device=DEVICE,
+                        dtype=torch.float32 if cfg.SPLIT_K > 1 else torch.bfloat16)
     got = dm.decode_mm_triton(x, leaves, text, workspace=ws)
     want = dm.decode_mm_reference(x, leaves, text)
     assert not got.isnan().any()
@@ -312,7 +314,9 @@ def test_generated_kernel_matches_reference(case, M):
 
 
 @pytest.mark.parametrize("cfg", [dm.Config(1, 16, 32, 3, 1, 4, 2), dm.Config(16, 32, 32, 2, 1, 4, 2),
-                                 dm.Config(32, 16, 64, 1, 2, 4, 2)], ids=["gemv_split3", "dot_split2", "dot_grouped"])
+                                 dm.Config(16, 32, 32, 2, 1, 4, 2, SWAP_AB=True), dm.Config(32, 16, 64, 1, 2, 4, 2),
+                                 dm.DequantConfig(BLOCK_K=32, BLOCK_N=16)],
+                         ids=["gemv_split3", "dot_split2", "dot_swap_split2", "dot_grouped", "dequant"])
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
 def test_generated_kernel_paths_and_layouts(cfg, layout):
     text, leaves = _program(BY_NAME["gptq"], seed=4)

@@ -55,30 +55,43 @@ class Config:
     GROUP_M: int
     num_warps: int
     num_stages: int
+    SWAP_AB: bool = False  # tensor cores on W^T x^T: N fills the MMA's 64-row side when M is small
 
     @property
     def use_dot(self) -> bool:
         return self.BLOCK_M >= 16
 
 
+@dataclass(frozen=True)
+class DequantConfig:
+    """Large M: decode the weight once into memory (activation dtype), then cuBLAS."""
+
+    BLOCK_K: int = 64
+    BLOCK_N: int = 128
+    num_warps: int = 4
+
+
+# M thresholds between the paths.
+GEMV_M_MAX = 1
+DOT_M_MAX = 256
+
+
 @functools.lru_cache(maxsize=4096)
-def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Config:
+def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Config | DequantConfig:
     """The launch config for one problem size (dynamic M: chosen per call)."""
     k_tiles = triton.cdiv(K, 128)
-    if M == 1:
+    if M <= GEMV_M_MAX:
         tiles = batch * triton.cdiv(N, 64)
         split = _split_k(tiles, k_tiles, sms)
         # 8 warps: a [128, 64] tile decoded at 4 warps held 64 values per thread and spilled on some
         # decodes (255 registers for shifts read from a tensor, sm_90a).
         return Config(1, 64, 128, split, 1, 8, 3)
-    if M <= 64:
-        bm = max(16, triton.next_power_of_2(M))
+    if M <= DOT_M_MAX:
+        bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
         tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
         split = _split_k(tiles, k_tiles, sms)
-        return Config(bm, 64, 128, split, 1, 4, 2)
-    # Two stages: Triton stages every leaf load as a full [BLOCK_K, BLOCK_N] tile in shared memory, in
-    # its container width; AWQ's three int32 loads needed 288 KiB at three stages (sm_90a: 227 KiB).
-    return Config(128, 128, 64, 1, 8, 8, 2)
+        return Config(bm, 64, 128, split, 1, 4, 2, SWAP_AB=bm <= 32)
+    return DequantConfig()
 
 
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
@@ -281,6 +294,7 @@ def decode_mm_kernel(
     stride_os, stride_ob, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     K: tl.constexpr = {K}
     N: tl.constexpr = {N}
@@ -299,19 +313,39 @@ def decode_mm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n = offs_n[None, :]
     x_rows = x_ptr + b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        if SWAP_AB:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # GEMV (BLOCK_M == 1): products accumulate per (k, n) and are summed over k once at the end,
+        # not once per K-tile (a cross-thread reduction per tile cost more than the decode).
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
         k = offs_k[:, None]
-        w = _decode({leaf_args}, k, n, b, (k < K) & (n < N)).to(a.dtype)
+        w = _decode({leaf_args}, k, n, b, (k < K) & (n < N))
         if USE_DOT:
-            if IEEE:
+            a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
+            w = w.to(a.dtype)
+            if SWAP_AB:
+                if IEEE:
+                    acc_t = tl.dot(tl.trans(w), tl.trans(a), acc_t, input_precision="ieee")
+                else:
+                    acc_t = tl.dot(tl.trans(w), tl.trans(a), acc_t)
+            elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
         else:
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            a = tl.load(x_rows + offs_k[:, None] * stride_xk, mask=(offs_m[:, None] < M) & (offs_k[:, None] < K), other=0)
+            acc2 += a.to(tl.float32) * w.to(a.dtype).to(tl.float32)
+    if USE_DOT:
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
+    else:
+        acc = tl.sum(acc2, axis=0)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0).to(tl.float32)
@@ -320,11 +354,31 @@ def decode_mm_kernel(
 '''
 
 
+_DECODE_TEMPLATE = '''
+
+@triton.jit
+def decode_kernel(out_ptr, {leaf_args}, stride_ob, stride_ok, stride_on, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The decoded weight W[b, k, n] written once (the large-M path: cuBLAS does the GEMM)."""
+    K: tl.constexpr = {K}
+    N: tl.constexpr = {N}
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(2)
+    k = offs_k[:, None]
+    n = offs_n[None, :]
+    mask = (k < K) & (n < N)
+    w = _decode({leaf_args}, k, n, b, mask)
+    out = out_ptr + b.to(tl.int64) * stride_ob + k.to(tl.int64) * stride_ok + n * stride_on
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
+'''
+
+
 def kernel_source(prog: DecodeProgram) -> str:
     leaf_args = ", ".join(f"L{i}" for i in range(len(prog.leaves)))
     program = "\n".join("    " + ln for ln in str(prog).splitlines())
     return _TEMPLATE.format(version=KERNEL_VERSION, program=program, leaf_args=leaf_args,
-                            decode=decode_source(prog), K=prog.K, N=prog.N)
+                            decode=decode_source(prog), K=prog.K, N=prog.N) + _DECODE_TEMPLATE.format(
+        leaf_args=leaf_args, K=prog.K, N=prog.N)
 
 
 def _cache_dir() -> str:
@@ -337,6 +391,12 @@ def _cache_dir() -> str:
 @functools.lru_cache(maxsize=256)
 def kernel_for(text: str):
     """The generated ``decode_mm_kernel`` for a program's text (written once, imported once)."""
+    return module_for(text).decode_mm_kernel
+
+
+@functools.lru_cache(maxsize=256)
+def module_for(text: str):
+    """The generated module (``decode_mm_kernel``, ``decode_kernel``) for a program's text."""
     prog = DecodeProgram.from_text(text)
     src = kernel_source(prog)
     digest = hashlib.sha256(src.encode()).hexdigest()[:20]
@@ -349,7 +409,7 @@ def kernel_for(text: str):
     spec = importlib.util.spec_from_file_location(f"fusekern_decode_mm_{digest}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.decode_mm_kernel
+    return module
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -407,6 +467,12 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     x3 = x if batched else x.unsqueeze(0)
     Bt, M = x3.shape[0], x3.shape[1]
     cfg = config or select_config(M, prog.N, prog.K, Bt, sm_count(x.device) if x.is_cuda else 132)
+    if isinstance(cfg, DequantConfig):
+        w = decode_weight(leaves, text, x.dtype, cfg)
+        out = torch.matmul(x3, w if batched else w[0])
+        if bias is not None:
+            out = (out.float() + bias.float()).to(x.dtype) if bias.dtype != x.dtype else out + bias
+        return out if batched else out[0]
     out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
     out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, Bt, M, prog.N), device=x.device, dtype=out_dtype)
     if tuple(out.shape) != (cfg.SPLIT_K, Bt, M, prog.N) or out.dtype != out_dtype:
@@ -420,7 +486,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps,
+        SWAP_AB=cfg.SWAP_AB, num_warps=cfg.num_warps,
     )
     if cfg.SPLIT_K > 1:
         res = out.sum(0)  # a fixed order: deterministic
@@ -430,6 +496,17 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     else:
         out = out[0]
     return out if batched else out[0]
+
+
+def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = DequantConfig()) -> torch.Tensor:
+    """The decoded weight ``[batch or 1, K, N]`` in ``dtype``, written once by the generated decode kernel."""
+    prog = DecodeProgram.from_text(text)
+    Bt = max(prog.batch, 1)
+    w = torch.empty((Bt, prog.K, prog.N), device=leaves[0].device, dtype=dtype)
+    grid = (triton.cdiv(prog.K, cfg.BLOCK_K), triton.cdiv(prog.N, cfg.BLOCK_N), Bt)
+    module_for(text).decode_kernel[grid](w, *leaves, w.stride(0), w.stride(1), w.stride(2),
+                                         BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps)
+    return w
 
 
 # ----------------------------------------------------------------------------- builds for the report
@@ -480,12 +557,20 @@ def aot_builds():
         fn = kernel_for(text)
         for M in REPORT_MS:
             cfg = select_config(M, prog.N, prog.K)
+            if isinstance(cfg, DequantConfig):
+                args = dict(out_ptr="*bf16", stride_ob=prog.K * prog.N, stride_ok=prog.N, stride_on=1)
+                args.update({f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)})
+                builds.append(TritonBuild("decode_weight", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
+                                          f"w{cfg.num_warps} [{prog.K}x{prog.N}]", module_for(text).decode_kernel, args,
+                                          dict(BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N), cfg.num_warps))
+                continue
             args = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32" if cfg.SPLIT_K > 1 else "*bf16", M=M,
                         stride_xb=M * prog.K, stride_xm=prog.K, stride_xk=1, stride_bm=0, stride_bn=0,
                         stride_os=M * prog.N, stride_ob=M * prog.N, stride_om=prog.N, stride_on=1)
             args.update({f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)})
             constexprs = dict(HAS_BIAS=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                              SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=False)
+                              SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=False,
+                              SWAP_AB=cfg.SWAP_AB)
             label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K} "
                      f"w{cfg.num_warps} s{cfg.num_stages} [{M}x{prog.N}x{prog.K}]")
             builds.append(TritonBuild("decode_mm", label, fn, args, constexprs, cfg.num_warps, cfg.num_stages))
