@@ -8,13 +8,15 @@ and imported once per process.
 
 Read top to bottom: configs -> code generation -> launcher -> reference -> custom op.
 
-Paths, chosen at run time by M (so dynamic M works):
-- M == 1: GEMV. Each program reduces a K-slice for BLOCK_N columns on CUDA cores (a product and a
-  row sum); split-K adds programs when there are too few column tiles to fill the SMs.
-- M <= 64: tensor-core tiles of 16..64 rows, split-K as above.
-- larger M: 128 x 128 tensor-core tiles with grouped tile order; every M-tile decodes its weight tiles
-  again (the decode's ALU cost is spread over 128 rows).
+Paths, chosen at run time by M (so dynamic M works); see ``select_config`` for the measurements:
+- M == 1: GEMV. Each program reduces a K-slice for BLOCK_N columns on CUDA cores, accumulating per
+  (k, n) and summing once; split-K adds programs when there are too few column tiles to fill the SMs.
+- M > 1: the generated ``decode_kernel`` writes the weight once in the activation dtype and cuBLAS
+  multiplies.
+- Tensor-core tiles (``Config`` with BLOCK_M >= 16, optionally swap-AB) decode inside the GEMM's K loop;
+  they are correct and tested but slower than decode + cuBLAS on the H200, so dispatch does not pick them.
 Split-K partial sums go to an fp32 workspace and are summed in a fixed order (deterministic).
+Loads that read one element per aligned block of k (group scales, zero points) load one row per tile.
 """
 from __future__ import annotations
 
@@ -71,26 +73,23 @@ class DequantConfig:
     num_warps: int = 4
 
 
-# M thresholds between the paths.
+# M thresholds between the paths: the GEMV for one row; above it the weight is decoded once and cuBLAS
+# multiplies. Measured on the H200 (benchmarks/results/h200/decode_mm_sweep.csv, N = K = 8192): the
+# generated tensor-core kernels (plain and swap-AB, 16..128-row tiles) ran at 118-2590 us for M = 16 and
+# 2.2-41 ms for M = 2048, where decode + cuBLAS took 440-720 us at M = 2048. Triton computes the decode
+# in the MMA operand layout, which replicates it across warps; the tiles stay available (explicit
+# configs, tested) for part 2's hand-tuned kernels to build on.
 GEMV_M_MAX = 1
-DOT_M_MAX = 256
 
 
 @functools.lru_cache(maxsize=4096)
 def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Config | DequantConfig:
     """The launch config for one problem size (dynamic M: chosen per call)."""
-    k_tiles = triton.cdiv(K, 128)
     if M <= GEMV_M_MAX:
-        tiles = batch * triton.cdiv(N, 64)
-        split = _split_k(tiles, k_tiles, sms)
-        # 8 warps: a [128, 64] tile decoded at 4 warps held 64 values per thread and spilled on some
-        # decodes (255 registers for shifts read from a tensor, sm_90a).
-        return Config(1, 64, 128, split, 1, 8, 3)
-    if M <= DOT_M_MAX:
-        bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
-        tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
-        split = _split_k(tiles, k_tiles, sms)
-        return Config(bm, 64, 128, split, 1, 4, 2, SWAP_AB=bm <= 32)
+        # 32 x 256 tiles at 8 warps: the best or near-best of six shapes on gptq, awq, mxfp4, fp8 blocks
+        # and uint8-packed int4 (sweep CSV); 4 warps spilled on one decode.
+        tiles = batch * triton.cdiv(N, 32)
+        return Config(1, 32, 256, _split_k(tiles, triton.cdiv(K, 256), sms), 1, 8, 3)
     return DequantConfig()
 
 
@@ -185,8 +184,40 @@ def _in_range(e, size: int, ranges: dict) -> bool:
         return False
 
 
+K0 = sympy.Symbol("k0", integer=True, nonnegative=True)
+
+
+def _k_block(index, prog: DecodeProgram) -> int:
+    """The largest power of two p <= 256 such that the index is the same for every k of each aligned
+    block of p (checked numerically over all k and a sample of n)."""
+    from fusekern.patterns.decode.program import eval_index
+
+    ks = torch.arange(prog.K)[:, None]
+    ns = torch.tensor(sorted({*range(min(prog.N, 32)), *range(max(prog.N - 32, 0), prog.N)}))[None, :]
+    full = [torch.as_tensor(eval_index(e, {"k": ks, "n": ns, "b": 0})) for e in index]
+    for p in (256, 128, 64, 32, 16):
+        blocked = [torch.as_tensor(eval_index(e, {"k": (ks // p) * p, "n": ns, "b": 0})) for e in index]
+        if all(torch.equal(*torch.broadcast_tensors(f, g)) for f, g in zip(full, blocked)):
+            return p
+    return 1
+
+
+def _row_terms(index, leaf, ranges) -> list[str]:
+    """Offset terms of a load at the tile's first k (``k0``): one row of the tile."""
+    terms = []
+    for dim, (a, st) in enumerate(zip(index, leaf.stride)):
+        a = a.subs(K, K0) if isinstance(a, sympy.Basic) else a
+        idx = f"({texpr(a)})"
+        if not _in_range(a, leaf.shape[dim], {**ranges, K0: ranges[K]}):
+            idx = f"tl.minimum(tl.maximum({idx}, 0), {leaf.shape[dim] - 1})"
+        if st:
+            terms.append(f"{idx} * {st}" if st != 1 else idx)
+    return terms
+
+
 def decode_source(prog: DecodeProgram) -> str:
-    """The body of ``_decode(L0.., k, n, b, wmask)``: the weight tile in its container, zero where masked."""
+    """The body of ``_decode(L0.., k, n, b, wmask, k0, nmask, BLOCK_K)``: the weight tile in its container,
+    zero where masked (k0: the tile's first k; nmask: the tile's columns in range)."""
     ranges = {K: ValueRanges(0, prog.K - 1), N: ValueRanges(0, prog.N - 1), B: ValueRanges(0, max(prog.batch - 1, 0))}
     lines = []
 
@@ -229,8 +260,20 @@ def decode_source(prog: DecodeProgram) -> str:
             mask = " & ".join(["wmask", *conds])
             # No ``other`` for fp8 (the interpreter cannot cast 0 to fp8); masked lanes are zeroed at the end.
             other = "" if leaf.dtype in FP8_DTYPES else ", other=0"
-            raw = f"tl.load(L{args[0]} + ({offset}), mask={mask}{other})"
-            lines.append(f"v{i} = {raw}" if leaf.dtype == c else f"v{i} = {raw}.to({tl_dtype(c)})")
+            conv = "" if leaf.dtype == c else f".to({tl_dtype(c)})"
+            load = f"v{i} = tl.load(L{args[0]} + ({offset}), mask={mask}{other}){conv}"
+            pk = 1 if conds else _k_block(args[1:], prog)
+            if pk > 1:
+                # The same element for every k of an aligned block of pk (a group scale, a zero point, a
+                # shift table by n): one row per tile when the tile fits in the block, and everything
+                # computed from it stays one row too.
+                row = " + ".join(_row_terms(args[1:], leaf, ranges))
+                lines.append(f"if BLOCK_K <= {pk}:")
+                lines.append(f"    v{i} = tl.load(L{args[0]} + ({row or '0'}), mask=nmask{other}){conv}")
+                lines.append("else:")
+                lines.append("    " + load)
+            else:
+                lines.append(load)
             continue
         if op == "index":
             lines.append(f"v{i} = ({texpr(args[0])}).to({tl_dtype(c)})")
@@ -283,7 +326,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode({leaf_args}, k, n, b, wmask):
+def _decode({leaf_args}, k, n, b, wmask, k0, nmask, BLOCK_K: tl.constexpr):
 {decode}
 
 
@@ -325,7 +368,7 @@ def decode_mm_kernel(
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         k = offs_k[:, None]
-        w = _decode({leaf_args}, k, n, b, (k < K) & (n < N))
+        w = _decode({leaf_args}, k, n, b, (k < K) & (n < N), kt * BLOCK_K, n < N, BLOCK_K)
         if USE_DOT:
             a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
             w = w.to(a.dtype)
@@ -367,7 +410,7 @@ def decode_kernel(out_ptr, {leaf_args}, stride_ob, stride_ok, stride_on, BLOCK_K
     k = offs_k[:, None]
     n = offs_n[None, :]
     mask = (k < K) & (n < N)
-    w = _decode({leaf_args}, k, n, b, mask)
+    w = _decode({leaf_args}, k, n, b, mask, tl.program_id(0) * BLOCK_K, n < N, BLOCK_K)
     out = out_ptr + b.to(tl.int64) * stride_ob + k.to(tl.int64) * stride_ok + n * stride_on
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 '''
