@@ -4,8 +4,8 @@
                                          [--formats gptq,awq,...] [--nk 8192]
 
 Each zoo decode (fusekern/testing/decode_zoo.py) as the user wrote it, timed as: eager; stock
-torch.compile (default, static shapes); fusekern (``backend="fusekern"``, the generated kernel, dynamic
-M dispatch). Each compiled function is timed twice: ``call`` (do_bench: what a Python caller pays, launch
+torch.compile (default, static shapes); fusekern (``backend="fusekern"``: the generated kernels, the
+path and tile measured on the first call). Each compiled function is timed twice: ``call`` (do_bench: what a Python caller pays, launch
 overhead included) and ``graph`` (do_bench_cudagraph: GPU time, as under CUDA graphs). The floor is the
 bytes that must move at 4.3 TB/s (weights + activations + output) or the bf16 dense peak (989 TF/s),
 whichever is larger. Medians, one run; rows are written as they are measured; each fusekern output is
@@ -31,7 +31,7 @@ from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 BW, PEAK = 4.3e12, 989e12
 EXACT = ["w8a16_linear_scale_bias", "w8a16_linear_scale", "w8a16_dequant_linear_bias", "w8a16_dequant_linear",
          "w8a16_dequant_linear_col_scale", "w8a16_dequant_fp32_linear"]
-DEFAULT_FORMATS = "int4_k_stack,gptq,awq,hqq,int8_group,int8_channel,fp8_channel,fp8_block,mxfp4,nvfp4"
+DEFAULT_FORMATS = "gptq,int4_k_stack,awq,mxfp4,nvfp4,fp8_block,fp8_channel,int8_group,hqq"
 
 
 def floor_us(M, N, K, weights) -> float:

@@ -39,12 +39,13 @@ def test_generated_kernel_at_model_size(name):
     leaves = [env[leaf] for leaf in cone.leaves]
     for M in (1, 16, 2048):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        cfg = dm.select_config(M, N, K)
+        cfg = dm.tuned_config(x, leaves, text, None, 1, M)  # measured on first use, then cached
+        assert cfg in dm.candidates(M, N, K) and dm.tuned_config(x, leaves, text, None, 1, M) is cfg
         ws_ = None
         if isinstance(cfg, dm.Config):
             ws_ = torch.full((cfg.SPLIT_K, 1, M, N), float("nan"), device="cuda",
                              dtype=torch.float32 if cfg.SPLIT_K > 1 else torch.bfloat16)
-        got = dm.decode_mm_triton(x, leaves, text, workspace=ws_)
+        got = dm.decode_mm_triton(x, leaves, text, config=cfg, workspace=ws_)
         want = dm.decode_mm_reference(x, leaves, text)
         assert not got.isnan().any(), (name, M)
         assert rel_err(got, want) < 1e-2, (name, M, rel_err(got, want))

@@ -93,6 +93,65 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Con
     return DequantConfig()
 
 
+def candidates(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> list[Config | DequantConfig]:
+    """What ``tuned_config`` times for a problem size. Each decode favours other tiles (measured on the
+    H200 at N = K = 8192: the best GEMV tile was 32x128 / 4 warps for gptq and awq, 64x128 / 8 warps for
+    mxfp4 and fp8 blocks, 32x256 / 8 warps for uint8-packed int4), so the first call measures them."""
+    if M == 1:
+        out = []
+        for bn, bk, warps in ((32, 256, 8), (32, 128, 4), (64, 128, 8)):
+            tiles = batch * triton.cdiv(N, bn)
+            out.append(Config(1, bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms), 1, warps, 3))
+        return out + [DequantConfig()]
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        out = []
+        for bk, stages in ((128, 2), (64, 3)):
+            tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
+            out.append(Config(bm, 64, bk, _split_k(tiles, triton.cdiv(K, bk), sms), 1, 4, stages, SWAP_AB=bm <= 32))
+        return [DequantConfig(), *out]
+    return [DequantConfig()]
+
+
+_tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured config
+
+
+def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int) -> Config | DequantConfig:
+    """The fastest of ``candidates`` for this program and M (rounded up to a power of two), measured on
+    the first call and cached per device. While a CUDA graph is being captured nothing can be timed: the
+    cached choice, or ``select_config``, is used."""
+    prog = DecodeProgram.from_text(text)
+    bucket = triton.next_power_of_2(M)
+    key = (text, bucket, batch, x.device)
+    if key in _tuned:
+        return _tuned[key]
+    sms = sm_count(x.device)
+    cands = candidates(bucket, prog.N, prog.K, batch, sms)
+    if len(cands) == 1 or torch.cuda.is_current_stream_capturing():
+        return cands[0] if len(cands) == 1 else select_config(M, prog.N, prog.K, batch, sms)
+    best, best_ms = None, float("inf")
+    for cfg in cands:
+        try:
+            run = functools.partial(decode_mm_triton, x, leaves, text, bias, cfg)
+            run()  # compiles
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(3):
+                start.record()
+                for _ in range(5):
+                    run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 5)
+            ms = sorted(times)[1]
+        except (triton.runtime.errors.OutOfResources, RuntimeError):  # a config that does not fit: skip it
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _tuned[key] = best = best or DequantConfig()
+    return best
+
+
 def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
     """Enough K-slices that about two programs run per SM, each reducing at least two K-tiles."""
     want = triton.cdiv(2 * sms, max(tiles, 1))
@@ -509,7 +568,10 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     batched = prog.batch > 0
     x3 = x if batched else x.unsqueeze(0)
     Bt, M = x3.shape[0], x3.shape[1]
-    cfg = config or select_config(M, prog.N, prog.K, Bt, sm_count(x.device) if x.is_cuda else 132)
+    cfg = config
+    if cfg is None:
+        sms = sm_count(x.device) if x.is_cuda else 132
+        cfg = tuned_config(x, leaves, text, bias, Bt, M) if x.is_cuda else select_config(M, prog.N, prog.K, Bt, sms)
     if isinstance(cfg, DequantConfig):
         w = decode_weight(leaves, text, x.dtype, cfg)
         out = torch.matmul(x3, w if batched else w[0])
