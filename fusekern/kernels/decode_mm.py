@@ -127,8 +127,11 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int) -
         return _tuned[key]
     sms = sm_count(x.device)
     cands = candidates(bucket, prog.N, prog.K, batch, sms)
-    if len(cands) == 1 or torch.cuda.is_current_stream_capturing():
-        return cands[0] if len(cands) == 1 else select_config(M, prog.N, prog.K, batch, sms)
+    if len(cands) == 1:
+        _tuned[key] = cands[0]
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
+        return select_config(M, prog.N, prog.K, batch, sms)
     best, best_ms = None, float("inf")
     for cfg in cands:
         try:
