@@ -190,6 +190,17 @@ def test_bias_through_addmm():
     assert_compiled(fn, args, fired={"decode_matmul": 1}, gone=["aten.addmm.default"])
 
 
+def test_ldexp_and_where_decodes():
+    """Microscaling written with ldexp, a sign bit taken with where: still one decode."""
+    def fn(x, mant, e):
+        m = torch.where(mant < 0, -(mant.abs().to(torch.float32)), mant.to(torch.float32)) / 8
+        return F.linear(x, torch.ldexp(m, e.to(torch.int32)[:, None]).to(x.dtype))
+
+    args = (torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(-8, 8, (32, 64), dtype=torch.int8),
+            torch.randint(-4, 4, (32,), dtype=torch.int8))
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, gone=["aten.ldexp.Tensor"])
+
+
 def test_batched_weights_through_bmm():
     def fn(x, wq, s):  # [E, K, N] int8 experts, per-expert-channel scales
         return torch.bmm(x, wq.to(x.dtype) * s[:, None, :])

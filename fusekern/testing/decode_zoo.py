@@ -183,6 +183,15 @@ def nvfp4(x, codes, s_block, s_global):
     return F.linear(x, w.reshape(N, -1).to(x.dtype))
 
 
+# ----------------------------------------------------------------------------- no known format
+
+def sign_magnitude_ldexp(x, mant, e):
+    """Sign-magnitude int8 mantissas over 8, times 2**e per output channel (ldexp): a format nobody
+    registered; it still fuses, through the generated kernel."""
+    m = torch.where(mant < 0, -(mant.abs().to(torch.float32)), mant.to(torch.float32)) / 8
+    return F.linear(x, torch.ldexp(m, e.to(torch.int32)[:, None]).to(x.dtype))
+
+
 def _e8m0(*shape, device):
     return torch.randint(118, 124, shape, dtype=torch.uint8, device=device)
 
@@ -241,6 +250,9 @@ CASES = [
          lambda K, N, G, device: (_u8(N, K // 2, device=device),
                                   (torch.rand(N, K // 16, device=device) + 0.5).to(torch.float8_e4m3fn),
                                   torch.tensor([0.01], device=device)), "nvfp4", 16),
+    Case("sign_magnitude_ldexp", sign_magnitude_ldexp,
+         lambda K, N, G, device: (torch.randint(-8, 8, (N, K), dtype=torch.int8, device=device),
+                                  torch.randint(-4, 4, (N,), dtype=torch.int8, device=device)), "generic"),
 ]
 
 BY_NAME = {c.name: c for c in CASES}

@@ -64,7 +64,7 @@ VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, ate
          aten.squeeze.dims, aten.expand.default, aten.slice.Tensor, aten.select.int}
 OTHER = {prims.convert_element_type.default, aten._to_copy.default, aten.where.self, aten.cat.default, prims.iota.default,
          aten.full.default, aten.scalar_tensor.default, aten.view.dtype, aten.index.Tensor,
-         aten.pow.Scalar, aten.pow.Tensor_Scalar}
+         aten.pow.Scalar, aten.pow.Tensor_Scalar, aten.ldexp.Tensor}
 SUPPORTED = set(BINARY) | set(UNARY) | IDENTITY | VIEWS | OTHER
 CMP = {"eq", "ne", "lt", "le", "gt", "ge"}
 
@@ -283,6 +283,10 @@ class _Builder:
                 raise Unsupported(f"{node.name}: pow with base {a[0]} (only 2 ** e)")
             e = self.cast(self._operand(a[1], shape, idx, v.dtype), v.dtype)
             return self.emit("exp2", (e,), v.dtype)
+        if t == aten.ldexp.Tensor:  # x * 2 ** e
+            x = self.cast(self._operand(a[0], shape, idx, v.dtype), v.dtype)
+            e = self.cast(self._operand(a[1], shape, idx, v.dtype), v.dtype)
+            return self.emit("mul", (x, self.emit("exp2", (e,), v.dtype)), v.dtype)
         if t == aten.pow.Tensor_Scalar:  # x ** 2
             if a[1] != 2:
                 raise Unsupported(f"{node.name}: pow with exponent {a[1]} (only x ** 2)")
