@@ -179,6 +179,22 @@ def test_dynamic_m_and_3d_activations():
                                 (torch.randn(3, 4, K, dtype=torch.bfloat16),)])
 
 
+def test_both_activation_dims_dynamic():
+    """The form the exact W8A16 patterns miss (batch and sequence both symbolic): the structural matcher
+    reads only the weight's cone, so the activation's shapes do not matter."""
+    w = torch.randint(-128, 128, (48, 64), dtype=torch.int8)
+    s = torch.rand(48, dtype=torch.bfloat16) * 0.01
+
+    def fn(x):
+        return F.linear(x, w.to(x.dtype) * s[:, None])
+
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 1)
+    more = [(torch.randn(b, m, 64, dtype=torch.bfloat16),) for b, m in ((5, 3), (3, 17))]
+    assert_compiled(fn, (x,), fired={"decode_matmul": 1}, extra_args=more, options=ONLY_STRUCTURAL)
+
+
 def test_bias_through_addmm():
     def fn(x, wp, s, b):
         w = torch.cat([(wp & 15)[..., None], (wp >> 4)[..., None]], -1).view(wp.shape[0], -1)

@@ -86,9 +86,10 @@ def test_form_fires_and_matches(fn, pattern, nargs, lead):
 
 
 XFAIL_3D_SYMBOLIC = pytest.mark.xfail(
-    strict=True, reason="known miss: when two dims of a 3-D activation (or N and K) are symbolic, the "
-                        "retraced reshape([B*M, K]) does not match the graph's; the structural matcher "
-                        "of issue 3 replaces exact-graph matching")
+    strict=True, reason="known miss of the exact patterns: when two dims of a 3-D activation (or N and K) "
+                        "are symbolic, the retraced reshape([B*M, K]) does not match the graph's; the "
+                        "structural matcher fuses these forms instead (test_decode_matmul.py::"
+                        "test_both_activation_dims_dynamic), except with symbolic weight shapes")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, BF16])
