@@ -1,0 +1,26 @@
+"""Every ```python block in README.md runs (each in its own interpreter, as a reader would paste it)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def python_blocks() -> list[str]:
+    with open(README) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+def test_readme_has_python_blocks():
+    assert len(python_blocks()) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_readme_block_runs(index):
+    code = python_blocks()[index]
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
