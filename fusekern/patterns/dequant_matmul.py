@@ -221,9 +221,10 @@ def _decode_rewrite():
     from fusekern.kernels import decode_mm
     from fusekern.patterns.decode import analysis, formats, program, rewrite
 
-    # The rewrite's cache key covers the analysis, not just the module holding the rewrite function.
+    # The rewrite's cache key covers the analysis and the kernel generator, not just the module holding
+    # the rewrite function: a graph compiled by older code must not be loaded from inductor's cache.
     h = hashlib.sha256()
-    for mod in (analysis, formats, program):
+    for mod in (analysis, formats, program, decode_mm):
         h.update(inspect.getsource(mod).encode())
     version = f"{decode_mm.KERNEL_VERSION}+{h.hexdigest()[:12]}"
     register_rewrite(
