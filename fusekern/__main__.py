@@ -47,14 +47,17 @@ def main(argv=None) -> int:
     c.add_argument("--pattern", action="append", help="only this pattern (repeatable)")
     c.add_argument("--draws", type=int, default=24)
     c.add_argument("--seed", type=int, default=0)
-    d = sub.add_parser("demo", help="compile a small quantized model with fusekern and stock inductor")
+    d = sub.add_parser("demo", help="generate with a quantized Llama-style decoder: eager, stock inductor, fusekern")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")
+    d.add_argument("--steps", type=int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
+    d.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
     if args.cmd == "check":
         return _check(args)
     from fusekern.demo import main as demo_main
 
-    return demo_main(args.device)
+    return demo_main(args.device, weights=args.weights, steps=args.steps, batch=args.batch)
 
 
 if __name__ == "__main__":

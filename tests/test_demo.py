@@ -1,0 +1,24 @@
+"""The demo end to end on CPU at its tiny size: a Llama-style decoder with quantized weights generates
+under eager, stock torch.compile and fusekern; fusekern must agree with eager and fuse every quantized
+linear (q, k, v, o, gate, up, down: 7 per layer) and the sampler."""
+import pytest
+
+import fusekern
+from fusekern import demo
+from fusekern.patterns.registry import get_pattern
+
+# weights option -> the patterns that should fuse its linears
+EXPECTED = {"w4a16": ("decode_matmul",), "w8a16": ("w8a16_",)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", sorted(EXPECTED))
+def test_demo_matches_eager_and_fuses(weights, capsys):
+    assert demo.main("cpu", weights=weights, steps=8) == 0, capsys.readouterr().out
+
+    fired = fusekern.match_report().fired()  # main resets the report: this is its run alone
+    dequant = {name: n for name, n in fired.items() if get_pattern(name).family == "dequant_matmul"}
+    assert sum(dequant.values()) >= 7 * demo.TINY.layers, fired
+    assert all(name.startswith(EXPECTED[weights]) for name in dequant), dequant
+    assert fired["sample"] >= 1, fired
+    assert "equivalent" in capsys.readouterr().out
