@@ -1,4 +1,4 @@
-"""Command line: ``python -m fusekern check`` and ``python -m fusekern demo``."""
+"""Command line: ``python -m fusekern check``, ``python -m fusekern demo`` and ``python -m fusekern bench``."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,46 @@ def _check(args) -> int:
     return 1 if failed else 0
 
 
+# family -> (benchmark script, the CSV it writes) in a source checkout's benchmarks/
+BENCHMARKS = {
+    "dequant_matmul": (("bench_decode_mm.py", "decode_mm.csv"), ("bench_w8a16_linear.py", "w8a16_linear.csv")),
+    "sampling": (("bench_sampler.py", "sampler.csv"),),
+}
+
+
+def _bench(args) -> int:
+    """Run the families' benchmarks on this GPU, then plot them (and refresh README tables for the H200)."""
+    import os
+    import re
+    import subprocess
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("python -m fusekern bench needs a CUDA GPU; the committed H200 results are in benchmarks/results/h200",
+              file=sys.stderr)
+        return 2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = os.path.join(root, "benchmarks")
+    if not os.path.isdir(bench):
+        print("benchmarks/ not found: run from a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name()
+    gpu = "h200" if "H200" in name else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    out = os.path.join(bench, "results", gpu)
+    os.makedirs(out, exist_ok=True)
+    families = args.family or list(BENCHMARKS)
+    failed = 0
+    for family in families:
+        for script, csv_name in BENCHMARKS[family]:
+            print(f"== {family}: {script} -> {os.path.join(out, csv_name)}", flush=True)
+            failed |= subprocess.run([sys.executable, os.path.join(bench, script), "--csv", os.path.join(out, csv_name)]).returncode
+    subprocess.run([sys.executable, os.path.join(bench, "plot_results.py"), "--results", out])
+    if gpu == "h200":  # the README's tables are the H200's
+        subprocess.run([sys.executable, os.path.join(bench, "results_tables.py"), "--results", out])
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fusekern")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -52,9 +92,13 @@ def main(argv=None) -> int:
     d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")
     d.add_argument("--steps", type=int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
     d.add_argument("--batch", type=int, default=1)
+    b = sub.add_parser("bench", help="run the benchmarks on this GPU: CSV, PNG plots, README tables (H200)")
+    b.add_argument("--family", action="append", choices=sorted(BENCHMARKS), help="only this family (repeatable)")
     args = ap.parse_args(argv)
     if args.cmd == "check":
         return _check(args)
+    if args.cmd == "bench":
+        return _bench(args)
     from fusekern.demo import main as demo_main
 
     return demo_main(args.device, weights=args.weights, steps=args.steps, batch=args.batch)

@@ -24,3 +24,13 @@ def test_readme_block_runs(index):
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+
+
+def test_result_tables_are_the_csvs():
+    """The README's result tables are generated from benchmarks/results (benchmarks/results_tables.py)."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "results_tables.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with open(README) as f:
+        assert f.read().count("<!-- results:") == 3

@@ -1,0 +1,110 @@
+"""The README's result tables, generated from the committed CSVs (so the numbers cannot drift).
+
+    python benchmarks/results_tables.py [--results benchmarks/results/h200] [--readme README.md] [--check]
+
+Each table sits in README.md between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; this
+rewrites what is between the markers from ``<results>/NAME.csv``. ``--check`` exits 1 if the README is not
+what the CSVs give (tests/test_readme.py runs the same check).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _num(v: str) -> str:
+    """A median in µs as the tables print it: one decimal; failed runs say so."""
+    x = float(v)
+    return "–" if math.isnan(x) else f"{x:.1f}"
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def w8a16_linear(rows: list[dict]) -> list[str]:
+    cols = [("eager", "eager"), ("inductor_default", "stock compile"), ("fusekern", "fusekern compiled"),
+            ("fusekern_kernel", "fusekern kernel alone"), ("bf16_cublas_unquantized", "bf16 cuBLAS")]
+    by = {}
+    for r in rows:
+        by.setdefault((int(r["M"]), r["N"], r["K"]), {})[r["variant"]] = r
+    out = ["| M | floor | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for (m, _, _), v in sorted(by.items()):
+        floor = next(iter(v.values()))["floor_us"]
+        out.append(f"| {m} | {_num(floor)} | " + " | ".join(_num(v[c]["median_us"]) if c in v else "–" for c, _ in cols) + " |")
+    return out
+
+
+def decode_mm(rows: list[dict]) -> list[str]:
+    cols = [("eager_call_us", "eager"), ("stock_call_us", "stock compile"), ("stock_graph_us", "stock + CUDA graph"),
+            ("fusekern_call_us", "fusekern"), ("fusekern_graph_us", "fusekern + CUDA graph")]
+    out = ["| format (recognized as) | M | floor | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 3) + "|"]
+    for r in rows:
+        out.append(f"| {r['format']} ({r['recognized']}) | {r['M']} | {_num(r['floor_us'])} | "
+                   + " | ".join(_num(r[c]) for c, _ in cols) + " |")
+    return out
+
+
+def sampler(rows: list[dict]) -> list[str]:
+    cols = [("eager", "eager"), ("inductor_default", "stock compile"), ("inductor_cudagraphs", "stock + CUDA graphs"),
+            ("fusekern", "fusekern"), ("fusekern_cudagraphs", "fusekern + CUDA graphs"), ("fusekern_kernel", "kernel alone")]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["style"], int(r["B"])), {})[r["variant"]] = r
+    order = {"hf": 0, "gpt_fast": 1, "vllm": 2}
+    out = ["| style | B | " + " | ".join(c[1] for c in cols) + " | floor |", "|---" * (len(cols) + 3) + "|"]
+    for (style, b), v in sorted(by.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        cells = []
+        for c, _ in cols:
+            r = v.get(c)
+            cells.append("–" if r is None else ("crash" if r["correct"] != "True" and r["error"] else _num(r["median_us"])))
+        floor = next(iter(v.values()))["floor_us"]
+        out.append(f"| {style} | {b} | " + " | ".join(cells) + f" | {float(floor):.2f} |")
+    return out
+
+
+TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler}
+
+
+def render(name: str, results: str) -> list[str]:
+    return TABLES[name](_rows(os.path.join(results, f"{name}.csv")))
+
+
+def updated_readme(text: str, results: str) -> str:
+    """``text`` with every marked table regenerated from its CSV."""
+    def fill(m: re.Match) -> str:
+        name = m.group(1)
+        return f"<!-- results:{name} -->\n" + "\n".join(render(name, results)) + f"\n<!-- /results:{name} -->"
+
+    return re.sub(r"<!-- results:(\w+) -->\n.*?<!-- /results:\1 -->", fill, text, flags=re.S)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=os.path.join(HERE, "results", "h200"))
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    with open(args.readme) as f:
+        text = f.read()
+    new = updated_readme(text, args.results)
+    if args.check:
+        if new != text:
+            print("README.md result tables differ from the CSVs: run benchmarks/results_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.readme, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
