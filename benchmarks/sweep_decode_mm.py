@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import versions, warm_up_clocks  # noqa: E402
 
 from fusekern.kernels import decode_mm as dm  # noqa: E402
-from fusekern.patterns.decode.analysis import analyse, find_cone  # noqa: E402
-from fusekern.testing.decode_cones import node_values, post_grad_graph  # noqa: E402
+from fusekern.testing.decode_cones import decode_program  # noqa: E402
 from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 
 
@@ -60,12 +59,7 @@ def main():
         case = BY_NAME[name]
         torch.manual_seed(0)
         ws = case.make(K, N, case.group, "cuda")
-        gm, inputs = post_grad_graph(case.fn, torch.randn(2, K, device="cuda", dtype=torch.bfloat16), *ws)
-        env = node_values(gm, inputs)
-        mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
-        cone = find_cone(mm)
-        text = analyse(cone).to_text()
-        leaves = [env[leaf] for leaf in cone.leaves]
+        text, leaves, _ = decode_program(case.fn, torch.randn(2, K, device="cuda", dtype=torch.bfloat16), *ws)
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = dm.decode_mm_reference(x, leaves, text).float()

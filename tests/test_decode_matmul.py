@@ -16,7 +16,7 @@ from fusekern.patterns.decode.analysis import Unsupported, analyse, find_cone
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.program import DecodeProgram
 from fusekern.testing import assert_compiled, rel_err
-from fusekern.testing.decode_cones import node_values, post_grad_graph
+from fusekern.testing.decode_cones import decode_program, node_values, post_grad_graph
 from fusekern.testing.decode_zoo import BY_NAME, CASES
 
 aten = torch.ops.aten
@@ -316,11 +316,10 @@ def test_declines_index_math_that_overflows_int32():
 
 
 def _program(case, seed=0):
-    gm, inputs, mm, _, _ = captured(case, seed=seed)
-    env = node_values(gm, inputs)
-    cone = find_cone(mm)
-    prog = analyse(cone)
-    return prog.to_text(), [env[leaf].to(DEVICE) for leaf in cone.leaves]
+    torch.manual_seed(seed)
+    K, N, G = sizes(case)
+    text, leaves, _ = decode_program(case.fn, torch.randn(3, K, dtype=torch.bfloat16), *case.make(K, N, G, "cpu"))
+    return text, [t.to(DEVICE) for t in leaves]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from fusekern.kernels import decode_mm as dm
-from fusekern.patterns.decode.analysis import analyse, find_cone
 from fusekern.testing import assert_compiled, rel_err
-from fusekern.testing.decode_cones import node_values, post_grad_graph
+from fusekern.testing.decode_cones import decode_program
 from fusekern.testing.decode_zoo import BY_NAME, CASES
 
 pytestmark = pytest.mark.gpu
@@ -31,12 +30,7 @@ def test_generated_kernel_at_model_size(name):
     torch.manual_seed(0)
     K = N = 8192
     ws = case.make(K, N, case.group, "cuda")
-    gm, inputs = post_grad_graph(case.fn, torch.randn(2, K, device="cuda", dtype=torch.bfloat16), *ws)
-    env = node_values(gm, inputs)
-    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
-    cone = find_cone(mm)
-    text = analyse(cone).to_text()
-    leaves = [env[leaf] for leaf in cone.leaves]
+    text, leaves, _ = decode_program(case.fn, torch.randn(2, K, device="cuda", dtype=torch.bfloat16), *ws)
     for M in (1, 16, 2048):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         cfg = dm.tuned_config(x, leaves, text, None, 1, M)  # measured on first use, then cached

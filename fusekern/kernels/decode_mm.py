@@ -36,7 +36,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fusekern.kernels.device_info import sm_count
 from fusekern.patterns.decode.program import (
-    B, BINARY, CMP, FP8_DTYPES, K, N, DecodeProgram, Instr, Ref, container, is_int,
+    B, CMP, FP8_DTYPES, K, N, DecodeProgram, Ref, container, is_int,
 )
 
 # Bumped whenever the code generator, kernel template or heuristics change (part of the cache key).
@@ -223,9 +223,8 @@ def _round(v: str, src: torch.dtype, d: torch.dtype) -> str:
     """Container value of dtype ``src`` converted to dtype ``d`` and held in d's container."""
     c = container(d)
     if is_int(d):
-        if not is_int(src):
+        if not is_int(src):  # float -> integer truncates; uint8 goes through int64 (wrapped below)
             v = f"{v}.to(tl.int64)" if c == torch.int64 or d == torch.uint8 else f"{v}.to(tl.int32)"
-            return _wrap(f"{v}.to({tl_dtype(c)})", d)
         return _wrap(f"{v}.to({tl_dtype(c)})", d)
     if d in (torch.float32, torch.float64):
         return f"{v}.to({tl_dtype(d)})"
@@ -631,14 +630,14 @@ def report_program(name: str, N: int = 8192, K: int = 8192) -> str:
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from fusekern.compiler_pass.canonicalize import canonicalize
     from fusekern.patterns.decode.analysis import analyse, find_cone
     from fusekern.testing.decode_zoo import BY_NAME
 
     case = BY_NAME[name]
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # shapes only: nothing is allocated
+    with FakeTensorMode(allow_non_fake_inputs=True):  # shapes only: nothing is allocated
         ws = [torch.empty(_scaled_shape(t.shape, N, K), dtype=t.dtype) for t in case.make(256, 256, case.group, "cpu")]
         x = torch.empty(2, K, dtype=torch.bfloat16)
     gm = make_fx(case.fn, tracing_mode="fake", decomposition_table=select_decomp_table(),

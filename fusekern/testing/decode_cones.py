@@ -47,3 +47,16 @@ def node_values(gm: torch.fx.GraphModule, inputs) -> dict:
 
     Recorder(gm).run(*[a for a in inputs if isinstance(a, torch.Tensor)])
     return env
+
+
+def decode_program(fn, x, *weights):
+    """``(program text, leaf tensors, constant leaves by index)`` of the first matmul's weight cone in
+    ``fn(x, *weights)``'s post-grad graph: what the rewrite would hand to ``fusekern::decode_mm``."""
+    from fusekern.patterns.decode.analysis import analyse, find_cone
+
+    gm, inputs = post_grad_graph(fn, x, *weights)
+    env = node_values(gm, inputs)
+    mm = next(n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+    cone = find_cone(mm)
+    constants = {i: getattr(gm, leaf.target) for i, leaf in enumerate(cone.leaves) if leaf.op == "get_attr"}
+    return analyse(cone).to_text(), [env[leaf] for leaf in cone.leaves], constants

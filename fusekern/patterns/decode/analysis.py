@@ -105,7 +105,8 @@ def weight_operand(mm: Node) -> tuple[Node, Node]:
     raise Unsupported(f"{mm.target} is not mm / addmm / bmm")
 
 
-def _ancestors(node: Node) -> set[Node]:
+def ancestors(node: Node) -> set[Node]:
+    """``node`` and every node it is computed from."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -144,7 +145,7 @@ def find_cone(mm: Node) -> Cone:
         outside = [u.name for u in n.users if u not in inside]
         if outside:
             raise Unsupported(f"{n.name} is also used by {outside[0]}: the dequantized value is needed anyway")
-    act_side = _ancestors(act) if isinstance(act, Node) else set()
+    act_side = ancestors(act) if isinstance(act, Node) else set()
     for leaf in leaves:
         if leaf in act_side:
             raise Unsupported(f"{leaf.name} feeds the activation too: activations cannot be decode leaves")

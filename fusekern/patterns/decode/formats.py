@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusekern.patterns.decode.program import FP8_DTYPES, DecodeProgram, Ref, eval_index, is_int
+from fusekern.patterns.decode.program import FP8_DTYPES, DecodeProgram, Ref, is_int
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -121,9 +121,6 @@ class _Recognizer:
             a, b = self.ins[i].args
             return self.factors(a.i) + self.factors(b.i)
         return [i]
-
-    def loads_of(self, leaf: int) -> list[int]:
-        return [j for j, ins in enumerate(self.ins) if ins.op == "load" and ins.args[0] == leaf]
 
     def window(self, k, n) -> dict:
         return {"k": list(k), "n": list(n), "b": 0}

@@ -12,7 +12,9 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_mm as kernel
-from fusekern.patterns.decode.analysis import CODE_DTYPES, Cone, Unsupported, analyse, find_cone, weight_operand
+from fusekern.patterns.decode.analysis import (
+    CODE_DTYPES, Cone, Unsupported, analyse, ancestors, find_cone, weight_operand,
+)
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.program import DecodeProgram
 
@@ -39,17 +41,11 @@ def _is_candidate(mm: Node) -> bool:
         return False
     if not isinstance(w, Node) or w.op != "call_function":
         return False
-    seen, stack = set(), [w]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in ("placeholder", "get_attr"):
-            v = _val(n)
-            if isinstance(v, torch.Tensor) and v.dtype in CODE_DTYPES and v.numel() > 256:
-                return True
-        stack.extend(n.all_input_nodes)
+    for n in ancestors(w):
+        v = _val(n)
+        if n.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor) and v.dtype in CODE_DTYPES \
+                and v.numel() > 256:
+            return True
     return False
 
 
