@@ -654,33 +654,39 @@ def _scaled_shape(shape, N, K):
 
 
 def aot_builds():
-    """The generated kernel for a few zoo formats at N = K = 8192, in the config each report M picks."""
+    """The generated kernels for a few zoo formats at N = K = 8192, in every config ``tuned_config`` may
+    pick for the report's M (each measured candidate, not only the heuristic's)."""
     from fusekern.kernels.catalog import TritonBuild
 
     builds = []
     for name in REPORT_FORMATS:
         text = report_program(name)
         prog = DecodeProgram.from_text(text)
-        fn = kernel_for(text)
+        leaf_args = {f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)}
+        seen = set()
         for M in REPORT_MS:
-            cfg = select_config(M, prog.N, prog.K)
-            if isinstance(cfg, DequantConfig):
-                args = dict(out_ptr="*bf16", stride_ob=prog.K * prog.N, stride_ok=prog.N, stride_on=1)
-                args.update({f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)})
-                builds.append(TritonBuild("decode_weight", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
-                                          f"w{cfg.num_warps} [{prog.K}x{prog.N}]", module_for(text).decode_kernel, args,
-                                          dict(BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N), cfg.num_warps))
-                continue
-            args = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32" if cfg.SPLIT_K > 1 else "*bf16", M=M,
-                        stride_xb=M * prog.K, stride_xm=prog.K, stride_xk=1, stride_bm=0, stride_bn=0,
-                        stride_os=M * prog.N, stride_ob=M * prog.N, stride_om=prog.N, stride_on=1)
-            args.update({f"L{i}": _PTR[leaf.dtype] for i, leaf in enumerate(prog.leaves)})
-            constexprs = dict(HAS_BIAS=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                              SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=False,
-                              SWAP_AB=cfg.SWAP_AB)
-            label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K} "
-                     f"w{cfg.num_warps} s{cfg.num_stages} [{M}x{prog.N}x{prog.K}]")
-            builds.append(TritonBuild("decode_mm", label, fn, args, constexprs, cfg.num_warps, cfg.num_stages))
+            for cfg in candidates(M, prog.N, prog.K):
+                if cfg in seen:
+                    continue
+                seen.add(cfg)
+                if isinstance(cfg, DequantConfig):
+                    args = dict(out_ptr="*bf16", stride_ob=prog.K * prog.N, stride_ok=prog.N, stride_on=1, **leaf_args)
+                    builds.append(TritonBuild(
+                        "decode_weight", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} w{cfg.num_warps} "
+                        f"[{prog.K}x{prog.N}]", module_for(text).decode_kernel, args,
+                        dict(BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N), cfg.num_warps))
+                    continue
+                args = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32" if cfg.SPLIT_K > 1 else "*bf16", M=M,
+                            stride_xb=M * prog.K, stride_xm=prog.K, stride_xk=1, stride_bm=0, stride_bn=0,
+                            stride_os=M * prog.N, stride_ob=M * prog.N, stride_om=prog.N, stride_on=1, **leaf_args)
+                constexprs = dict(HAS_BIAS=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                                  SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=False,
+                                  SWAP_AB=cfg.SWAP_AB)
+                label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} "
+                         f"SPLIT_K={cfg.SPLIT_K}{' swap-AB' if cfg.SWAP_AB else ''} w{cfg.num_warps} "
+                         f"s{cfg.num_stages} [{M}x{prog.N}x{prog.K}]")
+                builds.append(TritonBuild("decode_mm", label, kernel_for(text), args, constexprs, cfg.num_warps,
+                                          cfg.num_stages))
     return builds
 
 
