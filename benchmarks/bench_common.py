@@ -23,6 +23,28 @@ def write_csv(path: str, rows: list[dict]) -> None:
         wr.writerows(rows)
 
 
+class RowWriter:
+    """CSV rows written as they are measured (a run cut short by a timeout keeps what it measured);
+    the first row's keys are the header. Without a path it writes nothing."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "w", newline="") if path else None
+        self.writer = None
+
+    def write(self, row: dict) -> None:
+        if self.file is None:
+            return
+        if self.writer is None:
+            self.writer = csv.DictWriter(self.file, fieldnames=list(row))
+            self.writer.writeheader()
+        self.writer.writerow(row)
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 def git_sha() -> str:
     """The commit measured: $FUSEKERN_GIT_SHA (the device copy has no .git) or git's HEAD."""
     if os.environ.get("FUSEKERN_GIT_SHA"):

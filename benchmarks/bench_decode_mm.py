@@ -14,7 +14,6 @@ checked against eager.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401
 from fusekern.testing import rel_err  # noqa: E402
@@ -50,8 +49,7 @@ def main():
     N = K = args.nk
     info = versions()
     warm_up_clocks()
-    out = open(args.csv, "w", newline="") if args.csv else None
-    writer = None
+    out = RowWriter(args.csv)
     for name in args.formats.split(","):
         case = BY_NAME[name]
         torch.manual_seed(0)
@@ -78,15 +76,9 @@ def main():
                         row[f"{v}_graph_us"] = f"n/a ({type(e).__name__})"
             row.update(info)
             print(row, flush=True)
-            if out:
-                if writer is None:
-                    writer = csv.DictWriter(out, fieldnames=list(row))
-                    writer.writeheader()
-                writer.writerow(row)
-                out.flush()
+            out.write(row)
             torch._dynamo.reset()
-    if out:
-        out.close()
+    out.close()
 
 
 if __name__ == "__main__":

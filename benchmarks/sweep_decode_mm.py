@@ -9,7 +9,6 @@ default config for each M is marked. Informs ``select_config``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -18,7 +17,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
 
 from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.testing.decode_cones import decode_program  # noqa: E402
@@ -53,8 +52,7 @@ def main():
     N = K = args.nk
     info = versions()
     warm_up_clocks()
-    out = open(args.csv, "w", newline="") if args.csv else None
-    writer = None
+    out = RowWriter(args.csv)
     for name in args.formats.split(","):
         case = BY_NAME[name]
         torch.manual_seed(0)
@@ -74,14 +72,8 @@ def main():
                 row = dict(format=name, M=M, N=N, K=K, config=str(cfg), default=cfg == default,
                            us=round(us, 2) if isinstance(us, float) else us, rel_err=f"{err:.1e}", **info)
                 print(name, M, cfg, row["us"], row["rel_err"], "*" if row["default"] else "", flush=True)
-                if out:
-                    if writer is None:
-                        writer = csv.DictWriter(out, fieldnames=list(row))
-                        writer.writeheader()
-                    writer.writerow(row)
-                    out.flush()
-    if out:
-        out.close()
+                out.write(row)
+    out.close()
 
 
 if __name__ == "__main__":

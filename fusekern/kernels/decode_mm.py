@@ -263,17 +263,21 @@ def _k_block(index, prog: DecodeProgram) -> int:
     return 1
 
 
+def _index(a, size: int, ranges) -> str:
+    """An index expression as Triton code, clamped into [0, size) unless its range provably fits there
+    (a cat part's index runs outside the part where the part is not selected)."""
+    idx = f"({texpr(a)})"
+    if not _in_range(a, size, ranges):
+        idx = f"tl.minimum(tl.maximum({idx}, 0), {size - 1})"
+    return idx
+
+
 def _row_terms(index, leaf, ranges) -> list[str]:
     """Offset terms of a load at the tile's first k (``k0``): one row of the tile."""
-    terms = []
-    for dim, (a, st) in enumerate(zip(index, leaf.stride)):
-        a = a.subs(K, K0) if isinstance(a, sympy.Basic) else a
-        idx = f"({texpr(a)})"
-        if not _in_range(a, leaf.shape[dim], {**ranges, K0: ranges[K]}):
-            idx = f"tl.minimum(tl.maximum({idx}, 0), {leaf.shape[dim] - 1})"
-        if st:
-            terms.append(f"{idx} * {st}" if st != 1 else idx)
-    return terms
+    ranges = {**ranges, K0: ranges[K]}
+    return [f"{idx} * {st}" if st != 1 else idx
+            for dim, (a, st) in enumerate(zip(index, leaf.stride)) if st
+            for idx in [_index(a.subs(K, K0) if isinstance(a, sympy.Basic) else a, leaf.shape[dim], ranges)]]
 
 
 def decode_source(prog: DecodeProgram) -> str:
@@ -307,9 +311,7 @@ def decode_source(prog: DecodeProgram) -> str:
                     idx = f"i{i}_{dim}"
                     conds.append(f"({idx} >= 0) & ({idx} < {size})")
                 else:
-                    idx = f"({texpr(a)})"
-                    if not _in_range(a, size, ranges):  # e.g. a cat part's index outside its part
-                        idx = f"tl.minimum(tl.maximum({idx}, 0), {size - 1})"
+                    idx = _index(a, size, ranges)
                 if st:
                     terms.append(f"{idx} * {st}" if st != 1 else idx)
             offset = " + ".join(terms) or "0"
