@@ -34,13 +34,15 @@ import triton
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
+from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.device_info import sm_count
+from fusekern.patterns.decode.layout import PackedLayout
 from fusekern.patterns.decode.program import (
     B, CMP, FP8_DTYPES, K, N, DecodeProgram, Ref, container, is_int,
 )
 
 # Bumped whenever the code generator, kernel template or heuristics change (part of the cache key).
-KERNEL_VERSION = "decode_mm-1"
+KERNEL_VERSION = "decode_mm-2"
 
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -80,11 +82,17 @@ class DequantConfig:
 # in the MMA operand layout, which replicates it across warps; the tiles stay available (explicit
 # configs, tested) for part 2's hand-tuned kernels to build on.
 GEMV_M_MAX = 1
+# The hand-tuned GEMV reads the weight once per row (the rows after the first mostly from L2).
+PACKED_GEMV_M_MAX = 4
 
 
 @functools.lru_cache(maxsize=4096)
-def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Config | DequantConfig:
-    """The launch config for one problem size (dynamic M: chosen per call)."""
+def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout: str = ""):
+    """The launch config for one problem size (dynamic M: chosen per call) when nothing was measured."""
+    lay = PackedLayout.from_text(layout) if batch == 1 else None
+    if lay is not None:
+        for cfg in _packed_candidates(M, N, K, sms, lay):
+            return cfg
     if M <= GEMV_M_MAX:
         # 32 x 256 tiles at 8 warps: the best or near-best of six shapes on gptq, awq, mxfp4, fp8 blocks
         # and uint8-packed int4 (sweep CSV); 4 warps spilled on one decode.
@@ -93,10 +101,34 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Con
     return DequantConfig()
 
 
-def candidates(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> list[Config | DequantConfig]:
+def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> list:
+    """The hand-tuned kernels' configs for a problem size (``fusekern.kernels.packed_mm``): GEMV tiles
+    for a few rows, swap-AB tensor-core tiles up to 64 rows, and their decode + cuBLAS at any M."""
+    out = []
+    if M <= PACKED_GEMV_M_MAX:
+        for bn, bk, warps in ((64, 256, 4), (128, 128, 4), (32, 512, 4), (128, 256, 8), (256, 128, 8)):
+            tiles = triton.cdiv(N, bn)
+            out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, 4), warps))
+    if 1 < M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):
+            tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+            out.append(pm.PackedDot(bm, bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms), warps))
+    out.append(pm.PackedDequant())
+    return [c for c in out if pm.fits(lay, c)]
+
+
+def candidates(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout: str = "") -> list:
     """What ``tuned_config`` times for a problem size. Each decode favours other tiles (measured on the
     H200 at N = K = 8192: the best GEMV tile was 32x128 / 4 warps for gptq and awq, 64x128 / 8 warps for
-    mxfp4 and fp8 blocks, 32x256 / 8 warps for uint8-packed int4), so the first call measures them."""
+    mxfp4 and fp8 blocks, 32x256 / 8 warps for uint8-packed int4), so the first call measures them.
+    A program with a packed layout (a known format) adds the hand-tuned kernels' configs first."""
+    lay = PackedLayout.from_text(layout) if batch == 1 else None
+    packed = _packed_candidates(M, N, K, sms, lay) if lay is not None else []
+    return packed + _generated_candidates(M, N, K, batch, sms)
+
+
+def _generated_candidates(M: int, N: int, K: int, batch: int, sms: int) -> list[Config | DequantConfig]:
     if M == 1:
         out = []
         for bn, bk, warps in ((32, 256, 8), (32, 128, 4), (64, 128, 8)):
@@ -116,26 +148,26 @@ def candidates(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> list[C
 _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured config
 
 
-def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int) -> Config | DequantConfig:
+def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, layout: str = ""):
     """The fastest of ``candidates`` for this program and M (rounded up to a power of two), measured on
     the first call and cached per device. While a CUDA graph is being captured nothing can be timed: the
     cached choice, or ``select_config``, is used."""
     prog = DecodeProgram.from_text(text)
     bucket = triton.next_power_of_2(M)
-    key = (text, bucket, batch, x.device)
+    key = (text, layout, bucket, batch, x.device)
     if key in _tuned:
         return _tuned[key]
     sms = sm_count(x.device)
-    cands = candidates(bucket, prog.N, prog.K, batch, sms)
+    cands = candidates(bucket, prog.N, prog.K, batch, sms, layout)
     if len(cands) == 1:
         _tuned[key] = cands[0]
         return cands[0]
     if torch.cuda.is_current_stream_capturing():
-        return select_config(M, prog.N, prog.K, batch, sms)
+        return select_config(M, prog.N, prog.K, batch, sms, layout)
     best, best_ms = None, float("inf")
     for cfg in cands:
         try:
-            run = functools.partial(decode_mm_triton, x, leaves, text, bias, cfg)
+            run = functools.partial(decode_mm_triton, x, leaves, text, bias, cfg, layout=layout)
             run()  # compiles
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             times = []
@@ -155,9 +187,9 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int) -
     return best
 
 
-def _split_k(tiles: int, k_tiles: int, sms: int) -> int:
-    """Enough K-slices that about two programs run per SM, each reducing at least two K-tiles."""
-    want = triton.cdiv(2 * sms, max(tiles, 1))
+def _split_k(tiles: int, k_tiles: int, sms: int, per_sm: int = 2) -> int:
+    """Enough K-slices that about ``per_sm`` programs run per SM, each reducing at least two K-tiles."""
+    want = triton.cdiv(per_sm * sms, max(tiles, 1))
     return max(1, min(want, 16, k_tiles // 2))
 
 
@@ -561,9 +593,10 @@ def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
 
 
 def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None,
-                     config: Config | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                     config=None, workspace: torch.Tensor | None = None, layout: str = "") -> torch.Tensor:
     """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter).
 
+    layout: a ``PackedLayout``'s text (a known format): its hand-tuned kernels become candidates.
     workspace: optional ``[SPLIT_K, batch, M, N]`` buffer the kernel writes (tests pass one full of NaN)."""
     prog = DecodeProgram.from_text(text)
     _check_args(x, leaves, prog, bias)
@@ -575,7 +608,19 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     cfg = config
     if cfg is None:
         sms = sm_count(x.device) if x.is_cuda else 132
-        cfg = tuned_config(x, leaves, text, bias, Bt, M) if x.is_cuda else select_config(M, prog.N, prog.K, Bt, sms)
+        cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
+            select_config(M, prog.N, prog.K, Bt, sms, layout)
+    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, pm.PackedDequant)):
+        lay = PackedLayout.from_text(layout)
+        if lay is None or batched:
+            raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
+        ws = None if workspace is None else workspace.reshape(workspace.shape[0], *workspace.shape[2:])
+        if isinstance(cfg, pm.PackedGemv):
+            return pm.gemv(x, leaves, lay, prog.K, prog.N, cfg, bias, ws) if _plain_bias(bias, prog.N) else \
+                pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias)
+        if isinstance(cfg, pm.PackedDot) and ws is not None and _plain_bias(bias, prog.N):
+            return pm.dot(x, leaves, lay, prog.K, prog.N, cfg, bias, ws)
+        return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias)
     if isinstance(cfg, DequantConfig):
         w = decode_weight(leaves, text, x.dtype, cfg)
         out = torch.matmul(x3, w if batched else w[0])
@@ -605,6 +650,10 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     else:
         out = out[0]
     return out if batched else out[0]
+
+
+def _plain_bias(bias, N: int) -> bool:
+    return bias is None or (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1)
 
 
 def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = DequantConfig()) -> torch.Tensor:
@@ -710,21 +759,21 @@ def decode_mm_reference(x: torch.Tensor, leaves, text: str, bias: torch.Tensor |
 
 torch.library.define(
     "fusekern::decode_mm",
-    "(Tensor x, Tensor[] leaves, str program, Tensor? bias) -> Tensor",
+    "(Tensor x, Tensor[] leaves, str program, Tensor? bias, str layout=\"\") -> Tensor",
 )
 
 
 @torch.library.impl("fusekern::decode_mm", "CUDA")
-def _decode_mm_cuda(x, leaves, program, bias):
+def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path."""
     prog = DecodeProgram.from_text(program)
     if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):
-        return decode_mm_triton(x, leaves, program, bias)
+        return decode_mm_triton(x, leaves, program, bias, layout=layout)
     return _decode_mm_cpu(x, leaves, program, bias)
 
 
 @torch.library.impl("fusekern::decode_mm", "CPU")
-def _decode_mm_cpu(x, leaves, program, bias):
+def _decode_mm_cpu(x, leaves, program, bias, layout=""):
     """Decode the whole weight with torch (the kernel's semantics), then one matmul."""
     prog = DecodeProgram.from_text(program)
     _check_args(x, leaves, prog, bias)
@@ -736,7 +785,7 @@ def _decode_mm_cpu(x, leaves, program, bias):
 
 
 @torch.library.register_fake("fusekern::decode_mm")
-def _decode_mm_fake(x, leaves, program, bias):
+def _decode_mm_fake(x, leaves, program, bias, layout=""):
     prog = DecodeProgram.from_text(program)
     _check_args(x, leaves, prog, bias)
     return x.new_empty((*x.shape[:-1], prog.N))

@@ -218,20 +218,21 @@ def _decode_rewrite():
     import hashlib
     import inspect
 
-    from fusekern.kernels import decode_mm
-    from fusekern.patterns.decode import analysis, formats, program, rewrite
+    from fusekern.kernels import decode_mm, packed_mm
+    from fusekern.patterns.decode import analysis, formats, layout, program, rewrite
 
     # The rewrite's cache key covers the analysis and the kernel generator, not just the module holding
     # the rewrite function: a graph compiled by older code must not be loaded from inductor's cache.
     h = hashlib.sha256()
-    for mod in (analysis, formats, program, decode_mm):
+    for mod in (analysis, formats, layout, program, decode_mm, packed_mm):
         h.update(inspect.getsource(mod).encode())
     version = f"{decode_mm.KERNEL_VERSION}+{h.hexdigest()[:12]}"
     register_rewrite(
         rewrite.NAME, rewrite.rewrite_decode_matmuls, family="dequant_matmul", stage="post_grad",
         kernel_version=version,
         description="mm / addmm / bmm whose weight is decoded from integer / fp8 / packed codes by "
-                    "elementwise, bit, view, cat and table-lookup ops: one generated fused kernel",
+                    "elementwise, bit, view, cat and table-lookup ops: hand-tuned kernels for known formats, "
+                    "a generated fused kernel for the rest",
     )
 
 

@@ -16,6 +16,7 @@ from fusekern.patterns.decode.analysis import (
     CODE_DTYPES, Cone, Unsupported, analyse, ancestors, find_cone, weight_operand,
 )
 from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.layout import derive_layout
 from fusekern.patterns.decode.program import DecodeProgram
 
 aten = torch.ops.aten
@@ -93,7 +94,9 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
         bias, act = mm.args[0], mm.args[1]
     else:
         bias, act = None, mm.args[0]
-    fmt = recognize(prog, _constants(graph, cone))
+    constants = _constants(graph, cone)
+    fmt = recognize(prog, constants)
+    layout = derive_layout(prog, fmt, constants)
     mode = _val(act).fake_mode
     leaves = []
     with graph.inserting_before(mm):
@@ -105,17 +108,19 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
                 lifted.meta["val"] = mode.from_tensor(_val(leaf)) if not _is_fake(_val(leaf)) else _val(leaf)
                 leaf = lifted
             leaves.append(leaf)
-        args = (act, leaves, prog.to_text(), bias)
+        args = (act, leaves, prog.to_text(), bias, layout.to_text() if layout else "")
         out = graph.call_function(kernel.decode_mm.default, args)
-    vals = [_val(act), [_val(l) for l in leaves], args[2], _val(bias) if bias is not None else None]
+    vals = [_val(act), [_val(l) for l in leaves], args[2], _val(bias) if bias is not None else None, args[4]]
     with mode:
         out.meta["val"] = kernel.decode_mm(*vals)
     out.meta["fusekern_format"] = fmt
     for key in ("stack_trace", "nn_module_stack"):
         if key in mm.meta:
             out.meta[key] = mm.meta[key]
+    out.meta["fusekern_layout"] = layout
     mm.replace_all_uses_with(out)
-    return fmt.describe()
+    kernels = "hand-tuned packed kernels" if layout else "generated kernel"
+    return f"{fmt.describe()}; {kernels}"
 
 
 def rewrite_decode_matmuls(graph: Graph) -> int:

@@ -1,0 +1,552 @@
+"""Hand-tuned GEMMs for the packed formats fusekern recognizes: ``out = x @ W (+ bias)``.
+
+W is never written (except by the large-M path): each kernel reads the user's packed words as they
+are and decodes them in registers. What the kernels read and how is a ``PackedLayout``
+(``fusekern.patterns.decode.layout``), proven equal to the user's decode program before it is used.
+
+Read top to bottom: decode helpers -> GEMV (small M, CUDA cores) -> swap-AB tensor-core GEMM (M up to
+64) -> decode-once kernel (large M, then cuBLAS) -> launchers -> reference.
+
+Why these kernels are faster than the generated ones (``decode_mm``), per weight value:
+- Each code word is loaded once and all its values unpacked from the register (a 1-byte code leaf that
+  is contiguous along K is read as 32-bit words: four bytes per load lane).
+- Integer fields become floats without a convert instruction (Hopper converts int->float at a quarter
+  of the FMA rate): ``field | 0x4B000000`` is the float ``2**23 + field``, and one subtraction removes
+  ``2**23`` and the zero point together.
+- E2M1 decodes in registers: the sign and the three exponent/mantissa bits are moved into an fp16's
+  bit positions (a value 2**14 too small, folded into the scale), so no table is read from memory.
+- The group scale is applied once per word (GEMV) or once per K tile (tensor cores), not per value:
+  within a group ``sum_k (q - z) s x = s sum_k (q - z) x``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusekern.patterns.decode.layout import PackedLayout
+
+MAGIC = 0x4B000000      # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives 2**23 + it
+MAGIC_F = 8388608.0
+E2M1_SCALE = 16384.0     # the fp16-bits trick yields E2M1 values divided by 2**14
+
+FP8 = (torch.float8_e4m3fn,)
+VALUE_CODES = {"uint": 0, "int": 1, "fp8": 2, "e2m1": 3}
+ZERO_CODES = {"": 0, "const": 1, "int": 2, "float": 3, "packed": 4}
+
+
+# ----------------------------------------------------------------------------- decode helpers
+
+
+@triton.jit
+def _field(words, shift, BITS: tl.constexpr):
+    """Bits [shift, shift + BITS) of each word, as an int32 in [0, 2**BITS)."""
+    return (words >> shift) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _value(words, shift, VALUE: tl.constexpr, BITS: tl.constexpr):
+    """One value per word from the field at ``shift``, as fp32; integers come back as ``2**23 + field``
+    (``2**23 + 128 + byte`` for signed bytes), E2M1 as its value / 2**14."""
+    if VALUE == 2:  # fp8 e4m3, read as bytes
+        return words.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif VALUE == 3:  # E2M1 -> fp16 bits: sign to bit 15, exponent and mantissa to bits 9..11
+        f = _field(words, shift, BITS)
+        h = ((f & 7) << 9) | ((f & 8) << 12)
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif VALUE == 1:  # a signed byte: flip its sign bit to read it as byte + 128
+        f = _field(words, shift, BITS) ^ 0x80
+        return (f | 0x4B000000).to(tl.float32, bitcast=True)
+    else:
+        f = _field(words, shift, BITS)
+        return (f | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _offset(VALUE: tl.constexpr):
+    """What ``_value`` adds to an integer value (removed with the zero point)."""
+    if VALUE == 1:
+        return MAGIC_F + 128.0
+    elif VALUE == 0:
+        return MAGIC_F
+    else:
+        return 0.0
+
+
+@triton.jit
+def _group_load(ptr, kk, nn, mask, GK: tl.constexpr, GN: tl.constexpr, sk, sn):
+    """Element [kk // GK, nn // GN] of a scale / zero leaf (strides sk, sn along its k and n dims)."""
+    return tl.load(ptr + (kk // GK) * sk + (nn // GN) * sn, mask=mask, other=0)
+
+
+@triton.jit
+def _scale_of(s, SCALE: tl.constexpr):
+    if SCALE == 2:  # E8M0: the exponent byte placed in a float's exponent field (0 -> 2**-127)
+        e = s.to(tl.int32)
+        return tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))
+    elif SCALE == 3:  # fp8 e4m3, read as bytes
+        return s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return s.to(tl.float32)
+
+
+@triton.jit
+def _zero_sub(v, z_ptr, kk, nn, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, VALUE: tl.constexpr,
+              GK: tl.constexpr, GN: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr,
+              szk, szn):
+    """``v - offset - zero``: the decoded value before scaling (one subtraction for integer zeros)."""
+    if ZERO == 0:
+        return v - _offset(VALUE)
+    elif ZERO == 1:
+        return v - (_offset(VALUE) + ZERO_VALUE)
+    elif ZERO == 4:  # zero points packed ZPW per word along n
+        zw = tl.load(z_ptr + (kk // GK) * szk + (nn // (GN * ZPW)) * szn, mask=mask, other=0)
+        pos = (nn // GN) % ZPW
+        z = _field(zw, ((ZORDER >> (4 * pos)) & 15) * BITS, BITS)
+        return v - ((z.to(tl.float32) + ZERO_VALUE) + _offset(VALUE))
+    elif ZERO == 2:  # integer zero points: offset + zero is exact in fp32
+        z = _group_load(z_ptr, kk, nn, mask, GK, GN, szk, szn)
+        return v - ((z.to(tl.float32) + ZERO_VALUE) + _offset(VALUE))
+    else:  # float zero points: subtract the offset first (exact), then the zero
+        z = _group_load(z_ptr, kk, nn, mask, GK, GN, szk, szn)
+        return (v - _offset(VALUE)) - (z.to(tl.float32) + ZERO_VALUE)
+
+
+@triton.jit
+def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
+          BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, PACK_N: tl.constexpr,
+          WORD_I32: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr,
+          ZORDER: tl.constexpr, SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, APPLY_SCALE: tl.constexpr,
+          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The decoded ``[BLOCK_K, BLOCK_N]`` tile (fp32) at rows ``offs_k``, columns ``offs_n``: zero point
+    removed; the scale applied when APPLY_SCALE (else the caller applies it per tile)."""
+    k = offs_k[:, None]
+    n = offs_n[None, :]
+    mask = (k < K) & (n < N)
+    if P == 1:
+        words = tl.load(q_ptr + k * sqk + n * sqn, mask=mask, other=0)
+        if VALUE != 2:
+            words = words.to(tl.int32)
+        if VALUE == 1:
+            v = ((words + 128) | 0x4B000000).to(tl.float32, bitcast=True)
+        else:
+            v = _value(words, 0, VALUE, BITS)
+    elif PACK_N:
+        BNW: tl.constexpr = BLOCK_N // P
+        nw = n0 // P + tl.arange(0, BNW)
+        words = tl.load(q_ptr + k * sqk + nw[None, :] * sqn, mask=(k < K) & (nw[None, :] < KW), other=0).to(tl.int32)
+        pos = tl.arange(0, P)
+        shifts = ((ORDER >> (4 * pos)) & 15) * BITS
+        v = _value(words[:, :, None], shifts[None, None, :], VALUE, BITS)
+        v = tl.reshape(v, (BLOCK_K, BLOCK_N))
+    else:
+        BKW: tl.constexpr = BLOCK_K // P
+        kw = k0 // P + tl.arange(0, BKW)
+        if WORD_I32:
+            words = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + kw[:, None] * sqk + n * sqn,
+                            mask=(kw[:, None] < KW) & (n < N), other=0)
+        else:
+            words = tl.load(q_ptr + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & (n < N), other=0).to(tl.int32)
+        pos = tl.arange(0, P)
+        shifts = ((ORDER >> (4 * pos)) & 15) * BITS
+        v = _value(words[:, None, :], shifts[None, :, None], VALUE, BITS)
+        v = tl.reshape(v, (BLOCK_K, BLOCK_N))
+    v = _zero_sub(v, z_ptr, k, n, mask, ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
+    if APPLY_SCALE:
+        if SCALE != 0:
+            v = v * _scale_of(_group_load(s_ptr, k, n, mask, GK, GN, ssk, ssn), SCALE)
+    return v
+
+
+# ----------------------------------------------------------------------------- GEMV (small M)
+
+
+@triton.jit
+def packed_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
+    M, N, K, KW,
+    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
+
+    The tile is ``[BLOCK_K / P, BLOCK_N]`` words; value j of every word multiplies x[k = word * P + j].
+    Products accumulate per (word, n) and are reduced once after the loop. The scale multiplies a word's
+    P-value partial sum (every value of a word shares its group: GK % P == 0)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    BKW: tl.constexpr = BLOCK_K // P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = offs_n[None, :]
+    nmask = n < N
+    PER_TILE: tl.constexpr = GK % BLOCK_K == 0  # one scale row per tile
+    tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(tiles, SPLIT_K)
+    t0 = pid_k * per
+    t1 = tl.minimum(t0 + per, tiles)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    if WORD_I32:
+        qp = q_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        qp = q_ptr
+    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        k0 = t * BLOCK_K
+        kw = t * BKW + tl.arange(0, BKW)
+        wmask = (kw[:, None] < KW) & nmask
+        words = tl.load(qp + kw[:, None] * sqk + n * sqn, mask=wmask, other=0)
+        if VALUE != 2:
+            words = words.to(tl.int32)
+        kk = kw[:, None] * P
+        if PER_TILE:
+            kz = k0 + tl.zeros((1, 1), dtype=tl.int32)
+            zmask = nmask
+        else:
+            kz = kk
+            zmask = wmask
+        part = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(P):
+            xj = tl.load(x_row + (kw * P + j) * stride_xk, mask=kw * P + j < K, other=0).to(tl.float32)
+            if P == 1 and VALUE == 1:
+                v = ((words + 128) | 0x4B000000).to(tl.float32, bitcast=True)
+            else:
+                v = _value(words, ((ORDER >> (4 * j)) & 15) * BITS, VALUE, BITS)
+            v = _zero_sub(v, z_ptr, kz, n, zmask, ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
+            part += v * xj[:, None]
+        if SCALE != 0:
+            part = part * _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+        acc += part
+    out = tl.sum(acc, axis=0)
+    if VALUE == 3:
+        out = out * E2M1_SCALE
+    if HAS_GLOBAL:
+        out = out * tl.load(g_ptr).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def packed_gemv_n_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
+    M, N, K, KW,
+    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The GEMV for weights packed along N (AWQ): each word holds P adjacent columns (KW: words per k)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    PER_TILE: tl.constexpr = GK % BLOCK_K == 0
+    tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(tiles, SPLIT_K)
+    t0 = pid_k * per
+    t1 = tl.minimum(t0 + per, tiles)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        k0 = t * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
+                  BITS, P, ORDER, VALUE, True, False, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+                  not PER_TILE, BLOCK_K, BLOCK_N)
+        xk = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0).to(tl.float32)
+        if PER_TILE and SCALE != 0:
+            s = _scale_of(_group_load(s_ptr, k0 + tl.zeros((1, 1), dtype=tl.int32), offs_n[None, :],
+                                      offs_n[None, :] < N, GK, GN, ssk, ssn), SCALE)
+            acc += v * s * xk[:, None]
+        else:
+            acc += v * xk[:, None]
+    out = tl.sum(acc, axis=0)
+    if VALUE == 3:
+        out = out * E2M1_SCALE
+    if HAS_GLOBAL:
+        out = out * tl.load(g_ptr).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# ----------------------------------------------------------------------------- tensor cores (M <= 64)
+
+
+@triton.jit
+def packed_dot_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
+    M, N, K, KW,
+    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Swap-AB tensor-core GEMM: ``out^T[BLOCK_N, BLOCK_M] += W^T x^T``, so N fills the MMA's 64-row side
+    when M is small. The decoded tile (zero removed: small integers, exact in bf16 / fp16) goes to the
+    MMA unscaled and the group scale multiplies the tile's product (groups of at least BLOCK_K), or the
+    scale is applied to the tile first (smaller groups)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    PER_TILE: tl.constexpr = GK % BLOCK_K == 0
+    tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(tiles, SPLIT_K)
+    t0 = pid_k * per
+    t1 = tl.minimum(t0 + per, tiles)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in range(t0, t1):
+        k0 = t * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
+                  BITS, P, ORDER, VALUE, PACK_N, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+                  not PER_TILE, BLOCK_K, BLOCK_N)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0)
+        if IEEE:
+            d = tl.dot(tl.trans(v), xt.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(tl.trans(v.to(xt.dtype)), xt)
+        if PER_TILE and SCALE != 0:
+            s = _scale_of(_group_load(s_ptr, k0 + tl.zeros((1, 1), dtype=tl.int32), offs_n[None, :],
+                                      offs_n[None, :] < N, GK, GN, ssk, ssn), SCALE)
+            acc += d * tl.trans(s)
+        else:
+            acc += d
+    out = tl.trans(acc)
+    if VALUE == 3:
+        out = out * E2M1_SCALE
+    if HAS_GLOBAL:
+        out = out * tl.load(g_ptr).to(tl.float32)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n[None, :], mask=offs_n[None, :] < N, other=0).to(tl.float32)
+    dst = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- decode once (large M)
+
+
+@triton.jit
+def packed_decode_kernel(
+    w_ptr, q_ptr, s_ptr, z_ptr, g_ptr, N, K, KW,
+    sqk, sqn, ssk, ssn, szk, szn, stride_wk, stride_wn,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The weight ``W[k, n]`` written once in the activation dtype (cuBLAS then multiplies)."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = _tile(q_ptr, z_ptr, s_ptr, k0, tl.program_id(1) * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn,
+              K, N, KW, BITS, P, ORDER, VALUE, PACK_N, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+              True, BLOCK_K, BLOCK_N)
+    if VALUE == 3:
+        v = v * E2M1_SCALE
+    if HAS_GLOBAL:
+        v = v * tl.load(g_ptr).to(tl.float32)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    dst = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn
+    tl.store(dst, v.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class PackedGemv:
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int
+    num_warps: int
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PackedDot:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int
+    num_warps: int
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PackedDequant:
+    BLOCK_K: int = 64
+    BLOCK_N: int = 128
+    num_warps: int = 4
+
+
+def fits(lay: PackedLayout, cfg) -> bool:
+    """Can ``cfg``'s tile read this layout? The tile must hold whole words, and a word's values must
+    share one scale group (the GEMV scales per word)."""
+    bk, bn = cfg.BLOCK_K, cfg.BLOCK_N
+    if lay.pack_axis == "K" and bk % lay.per_word:
+        return False
+    if lay.pack_axis == "N" and bn % lay.per_word:
+        return False
+    if isinstance(cfg, PackedGemv) and lay.pack_axis != "N":
+        p = _words(lay)[1]
+        if bk % p or (lay.group_k % p and lay.group_k < bk):
+            return False
+    return True
+
+
+def _words(lay: PackedLayout, q: torch.Tensor | None = None, K: int | None = None):
+    """(read as int32 words?, values per loaded word, field order) for the GEMV: 1-byte codes contiguous
+    along K are read four bytes at a time."""
+    if lay.pack_axis == "N" or lay.value == "fp8" or lay.bits * lay.per_word != 8:
+        return False, lay.per_word, lay.order
+    if q is not None:
+        kdim = lay.code_dims.index("k")
+        if q.stride(kdim) != 1 or q.shape[kdim] % 4 or q.data_ptr() % 4 \
+                or any(st % 4 for d, st in enumerate(q.stride()) if d != kdim and q.shape[d] > 1):
+            return False, lay.per_word, lay.order
+    p = lay.per_word
+    order = tuple((j // p) * p + lay.order[j % p] for j in range(4 * p))
+    return True, 4 * p, order
+
+
+def _encode(order) -> int:
+    return sum(int(o) << (4 * j) for j, o in enumerate(order))
+
+
+def _strides(t: torch.Tensor | None, dims: tuple) -> tuple[int, int]:
+    if t is None:
+        return 0, 0
+    sk = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "k")
+    sn = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "n")
+    return sk, sn
+
+
+def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
+    """Pointer and stride arguments, and constexprs, shared by the launchers."""
+    q = leaves[lay.code]
+    s = leaves[lay.scale] if lay.scale >= 0 else None
+    z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else None
+    g = leaves[lay.glob] if lay.glob >= 0 else None
+    sqk, sqn = _strides(q, lay.code_dims)
+    if word_i32:  # K-contiguous bytes read as int32 words (``_words`` checked the strides)
+        sqk, sqn = 1, sqn // 4
+    kw = K // lay.per_word if lay.pack_axis == "K" else (N // lay.per_word if lay.pack_axis == "N" else K)
+    if word_i32:
+        kw //= 4
+    ssk, ssn = _strides(s, lay.scale_dims)
+    szk, szn = _strides(z, lay.zero_dims)
+    scale_code = 0 if s is None else (2 if lay.scale_enc == "e8m0" else 3 if s.dtype in FP8 else 1)
+    # fp8 leaves are read as bytes and bitcast in the kernel
+    q, s = (t.view(torch.uint8) if t is not None and t.dtype in FP8 else t for t in (q, s))
+    ptrs = (q, s if s is not None else q, z if z is not None else q, g if g is not None else q)
+    consts = dict(BITS=lay.bits, VALUE=VALUE_CODES[lay.value], ZERO=ZERO_CODES[lay.zero],
+                  ZERO_VALUE=float(lay.zero_value), ZPW=lay.zero_per_word, ZORDER=_encode(lay.zero_order or (0,)),
+                  SCALE=scale_code, GK=lay.group_k, GN=lay.group_n, HAS_GLOBAL=g is not None)
+    return ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts
+
+
+def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
+         workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice)."""
+    M = x.shape[0]
+    if lay.pack_axis == "N":
+        word_i32, p, order = False, lay.per_word, lay.order
+        kernel = packed_gemv_n_kernel
+    else:
+        word_i32, p, order = _words(lay, leaves[lay.code], K)
+        kernel = packed_gemv_kernel
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
+    out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
+    out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=out_dtype)
+    has_bias = bias is not None and cfg.SPLIT_K == 1
+    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)
+    kernel[grid](
+        x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
+        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
+        P=p, ORDER=_encode(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+    return _finish(out, bias, x.dtype, cfg.SPLIT_K)
+
+
+def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedDot, bias=None,
+        workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` on tensor cores (swap-AB)."""
+    M = x.shape[0]
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
+    out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
+    out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=out_dtype)
+    has_bias = bias is not None and cfg.SPLIT_K == 1
+    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, triton.cdiv(M, cfg.BLOCK_M))
+    packed_dot_kernel[grid](
+        x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
+        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
+        P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, PACK_N=lay.pack_axis == "N",
+        HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+    return _finish(out, bias, x.dtype, cfg.SPLIT_K)
+
+
+def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
+                  cfg: PackedDequant = PackedDequant()) -> torch.Tensor:
+    """The weight ``[K, N]`` in ``dtype``, written once."""
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
+    w = torch.empty((K, N), device=leaves[lay.code].device, dtype=dtype)
+    grid = (triton.cdiv(K, cfg.BLOCK_K), triton.cdiv(N, cfg.BLOCK_N))
+    packed_decode_kernel[grid](
+        w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1),
+        P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, PACK_N=lay.pack_axis == "N",
+        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **consts)
+    return w
+
+
+def _finish(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) -> torch.Tensor:
+    if split_k == 1:
+        return out[0]
+    res = out.sum(0)  # a fixed order: deterministic
+    if bias is not None:
+        res = res + bias.float()
+    return res.to(dtype)
+
+
+def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None) -> torch.Tensor:
+    """Run one config (GEMV, tensor-core tile, or decode + cuBLAS). A bias other than a contiguous [N]
+    vector is added after the kernel, in fp32."""
+    if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
+        return (packed_mm(x, leaves, lay, K, N, cfg).float() + bias.float()).to(x.dtype)
+    if isinstance(cfg, PackedGemv):
+        return gemv(x, leaves, lay, K, N, cfg, bias)
+    if isinstance(cfg, PackedDot):
+        return dot(x, leaves, lay, K, N, cfg, bias)
+    w = decode_weight(leaves, lay, K, N, x.dtype, cfg)
+    out = x @ w
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def packed_mm_reference(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, bias=None) -> torch.Tensor:
+    """float64: the layout's weight (``PackedLayout.weight_at``), then the matmul."""
+    w = lay.weight_at([t.cpu() for t in leaves], torch.arange(K), torch.arange(N))
+    out = x.cpu().to(torch.float64) @ w
+    if bias is not None:
+        out = out + bias.cpu().to(torch.float64)
+    return out

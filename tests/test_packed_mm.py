@@ -1,0 +1,213 @@
+"""The hand-tuned packed kernels (issue 4): layouts derived from recognized formats, and every kernel
+(GEMV packed along K or N, swap-AB tensor-core tile, decode + matmul) against its float64 reference.
+
+CPU: the layout of every known zoo format is derived and proven on the program; wrong layouts are
+refused; each kernel runs in the Triton interpreter with NaN-poisoned split-K workspaces on odd shapes
+(N and K tails), strided and misaligned activations, misaligned and non-contiguous packed weights,
+fp16 / fp32 activations and biases.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import packed_mm as pm
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.layout import PackedLayout, derive_layout, verify
+from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.testing import rel_err
+from fusekern.testing.decode_cones import decode_program
+from fusekern.testing.decode_zoo import BY_NAME, CASES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+KNOWN = [c for c in CASES if c.format != "generic"]
+EXACT = ["w8a16_linear_scale_bias", "w8a16_linear_scale", "w8a16_dequant_linear_bias", "w8a16_dequant_linear",
+         "w8a16_dequant_linear_col_scale", "w8a16_dequant_fp32_linear"]
+
+
+def shape_of(case, odd: bool):
+    """(K, N, G): odd shapes have K and N tails against every tile (N packed along N stays a multiple
+    of its word), 128x128 blocks keep multiples of 128."""
+    if case.name == "fp8_block":
+        return (384, 256, 128) if odd else (256, 128, 128)
+    g = case.group if case.group != 128 else 64
+    if odd:
+        return 320, 72, g
+    return 256, 128, g
+
+
+def setup(case, odd=False, M=3, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    K, N, G = shape_of(case, odd)
+    ws = [w.to(dtype) if w.dtype in (torch.bfloat16, torch.float16) else w for w in case.make(K, N, G, "cpu")]
+    x = torch.randn(M, K, dtype=dtype)
+    text, leaves, consts = decode_program(case.fn, x, *ws)
+    prog = DecodeProgram.from_text(text)
+    lay = derive_layout(prog, recognize(prog, consts), consts)
+    return prog, text, lay, [t.to(DEVICE) for t in leaves], consts, x.to(DEVICE)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("case", KNOWN, ids=lambda c: c.name)
+def test_layout_computes_the_programs_weight(case):
+    prog, _, lay, leaves, _, _ = setup(case, odd=True)
+    assert lay is not None, case.name
+    cpu = [t.cpu() for t in leaves]
+    want = prog.evaluate(cpu).to(torch.float64)
+    got = lay.weight_at(cpu, torch.arange(prog.K), torch.arange(prog.N))
+    assert rel_err(got, want) < TOL[prog.dtype] / 2
+    assert PackedLayout.from_text(lay.to_text()) == lay
+
+
+def test_generic_format_has_no_layout():
+    prog, _, lay, _, _, _ = setup(BY_NAME["sign_magnitude_ldexp"])
+    assert lay is None
+
+
+@pytest.mark.parametrize("change", [
+    dict(order=(1, 0, 3, 2, 5, 4, 7, 6)),  # the wrong nibble order
+    dict(zero_value=1.0),                  # GPTQ v1's zero + 1 where the program has none
+    dict(zero_order=(0, 4, 1, 5, 2, 6, 3, 7)),
+    dict(group_k=32),
+    dict(code_dims=("n", "k")),             # the packed leaf read the other way round
+], ids=lambda d: next(iter(d)))
+def test_wrong_layouts_are_refused(change):
+    prog, _, lay, _, consts, _ = setup(BY_NAME["gptq"])
+    assert verify(prog, lay, consts)
+    assert not verify(prog, dataclasses.replace(lay, **change), consts)
+
+
+def test_runtime_table_gets_no_layout():
+    """An E2M1 table passed as an input (not a constant) could hold anything: no hard-coded decode."""
+    case = BY_NAME["mxfp4"]
+    prog, _, lay, _, consts, _ = setup(case)
+    assert lay is not None and consts
+    assert derive_layout(prog, recognize(prog, consts), {}) is None
+
+
+def test_unsigned_byte_wraparound_is_not_taken_for_a_subtraction():
+    """(q - z) computed in uint8 wraps where z > q; the layout's float subtraction would not: refused."""
+    def wraps(x, wp, s, z):
+        N = wp.shape[0]
+        w = torch.stack([wp & 0xF, wp >> 4], dim=-1).view(N, -1, 64) - z[:, :, None]  # uint8 arithmetic
+        return x @ (w.to(x.dtype) * s[:, :, None]).view(N, -1).t()
+
+    K, N = 256, 64
+    wp = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    s = torch.rand(N, K // 64, dtype=torch.bfloat16)
+    z = torch.randint(0, 16, (N, K // 64), dtype=torch.uint8)
+    text, leaves, consts = decode_program(wraps, torch.randn(2, K, dtype=torch.bfloat16), wp, s, z)
+    prog = DecodeProgram.from_text(text)
+    assert derive_layout(prog, recognize(prog, consts), consts) is None
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def configs(lay, M):
+    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4), pm.PackedDequant(64, 64)]
+    if M > 1:
+        out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
+    return [c for c in out if pm.fits(lay, c)]
+
+
+def run(x, leaves, lay, prog, cfg, bias=None):
+    """The config through decode_mm_triton, split-K workspaces poisoned with NaN."""
+    ws = None
+    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot)):
+        dt = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
+        ws = torch.full((cfg.SPLIT_K, 1, x.shape[0], prog.N), float("nan"), dtype=dt, device=x.device)
+    return dm.decode_mm_triton(x, leaves, prog.to_text(), bias, cfg, workspace=ws, layout=lay.to_text())
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
+@pytest.mark.parametrize("case", KNOWN, ids=lambda c: c.name)
+def test_kernels_match_reference(case, odd):
+    M = 5
+    prog, _, lay, leaves, _, x = setup(case, odd=odd, M=M)
+    want = pm.packed_mm_reference(x, leaves, lay, prog.K, prog.N)
+    cfgs = configs(lay, M)
+    assert any(isinstance(c, pm.PackedGemv) for c in cfgs) and any(isinstance(c, pm.PackedDot) for c in cfgs)
+    for cfg in cfgs:
+        got = run(x, leaves, lay, prog, cfg)
+        assert got.shape == (M, prog.N) and not got.isnan().any(), cfg
+        assert rel_err(got.cpu(), want) < TOL[x.dtype], (cfg, rel_err(got.cpu(), want))
+
+
+@pytest.mark.parametrize("name", ["gptq", "int4_k_stack", "awq", "nvfp4", "int8_group_asym", "fp8_channel"])
+def test_strided_misaligned_activations_and_bias(name):
+    prog, _, lay, leaves, _, x = setup(BY_NAME[name], M=4)
+    xs = torch.randn(4, prog.K + 1, dtype=torch.bfloat16, device=DEVICE)[:, 1:]  # misaligned rows
+    xt = torch.randn(prog.K, 4, dtype=torch.bfloat16, device=DEVICE).t()      # column-major
+    bias = torch.randn(prog.N, dtype=torch.bfloat16, device=DEVICE)
+    bias2 = torch.randn(4, prog.N, dtype=torch.float32, device=DEVICE)
+    for xx in (xs, xt):
+        for b in (bias, bias2):
+            want = pm.packed_mm_reference(xx, leaves, lay, prog.K, prog.N, b)
+            for cfg in configs(lay, 4):
+                got = run(xx, leaves, lay, prog, cfg, b)
+                assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("name", ["gptq", "mxfp4", "int8_channel"])
+def test_activation_dtypes(name, dtype):
+    prog, _, lay, leaves, _, x = setup(BY_NAME[name], M=3, dtype=dtype)
+    want = pm.packed_mm_reference(x, leaves, lay, prog.K, prog.N)
+    for cfg in configs(lay, 3):
+        got = run(x, leaves, lay, prog, cfg)
+        assert got.dtype == dtype
+        assert rel_err(got.cpu(), want) < TOL[dtype], (cfg, rel_err(got.cpu(), want))
+
+
+@pytest.mark.parametrize("name", ["int4_k_stack", "mxfp4", "int8_group"])
+def test_misaligned_and_non_contiguous_packed_weights(name):
+    """1-byte codes are read as int32 words only when aligned and contiguous along K; otherwise byte
+    by byte. Both give the reference."""
+    case = BY_NAME[name]
+    prog, _, lay, leaves, _, x = setup(case, M=2)
+    code = leaves[lay.code]
+    shifted = torch.empty(code.numel() + 1, dtype=code.dtype, device=DEVICE)[1:].view(code.shape)
+    shifted.copy_(code)                                     # misaligned by one byte
+    assert not pm._words(lay, shifted)[0] and pm._words(lay, code)[0]
+    col_major = code.t().contiguous().t()                   # K no longer contiguous
+    assert not pm._words(lay, col_major)[0]
+    want = pm.packed_mm_reference(x, leaves, lay, prog.K, prog.N)
+    for q in (shifted, col_major):
+        ls = list(leaves)
+        ls[lay.code] = q
+        for cfg in configs(lay, 2):
+            got = pm.packed_mm(x, ls, lay, prog.K, prog.N, cfg)
+            assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
+
+
+def test_dispatch_offers_packed_kernels_first():
+    prog, text, lay, leaves, _, x = setup(BY_NAME["gptq"])
+    cands = dm.candidates(1, 8192, 8192, layout=lay.to_text())
+    assert isinstance(cands[0], pm.PackedGemv)
+    assert any(isinstance(c, dm.Config) for c in cands)  # the generated kernels stay candidates
+    assert isinstance(dm.select_config(1, prog.N, prog.K, layout=lay.to_text()), pm.PackedGemv)
+    assert isinstance(dm.select_config(16, prog.N, prog.K, layout=lay.to_text()), pm.PackedDot)
+    assert not any(isinstance(c, pm.PackedGemv) for c in dm.candidates(16, 8192, 8192, layout=lay.to_text()))
+    # no layout: as before
+    assert not any(isinstance(c, (pm.PackedGemv, pm.PackedDot)) for c in dm.candidates(1, 8192, 8192))
+
+
+def test_rewrite_passes_the_layout():
+    """The compiled graph's decode_mm call carries the layout; the match report names the kernels."""
+    from fusekern.compiler_pass.report import match_report, reset_match_report
+
+    for name, kernels in (("gptq", "hand-tuned packed kernels"), ("sign_magnitude_ldexp", "generated kernel")):
+        case = BY_NAME[name]
+        ws = case.make(256, 128, 64, "cpu")
+        x = torch.randn(2, 256, dtype=torch.bfloat16)
+        reset_match_report()
+        torch._dynamo.reset()
+        out = torch.compile(case.fn, backend="fusekern", options={"fusekern.disable": EXACT})(x, *ws)
+        assert rel_err(out, case.fn(x, *ws)) < 1e-2
+        notes = [n.reason for n in match_report().notes() if n.pattern == "decode_matmul"]
+        assert len(notes) == 1 and notes[0].endswith(kernels), notes
