@@ -13,7 +13,8 @@ from typing import Any
 from fusekern.kernels.remat import REMAT_MODES, remat_flags
 
 # Modules with an ``aot_builds()`` function. A new kernel module adds itself here.
-KERNEL_MODULES = ("fusekern.kernels.w8a16_linear", "fusekern.kernels.sampler", "fusekern.kernels.decode_mm")
+KERNEL_MODULES = ("fusekern.kernels.w8a16_linear", "fusekern.kernels.sampler", "fusekern.kernels.decode_mm",
+                  "fusekern.kernels.packed_mm")
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,12 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
     for a few rows, swap-AB tensor-core tiles up to 64 rows, and their decode + cuBLAS at any M."""
     out = []
     if M <= PACKED_GEMV_M_MAX:
-        for bn, bk, warps in ((64, 256, 4), (128, 128, 4), (32, 512, 4), (128, 256, 8), (256, 128, 8)):
+        # Tiles whose per-thread accumulator (BLOCK_K / values-per-word x BLOCK_N / threads) stays at
+        # 16-32 fp32 registers: wide K tiles where a word holds several values, narrow ones otherwise.
+        wide = lay.pack_axis != "N" and pm._words(lay)[1] >= 4
+        tiles_ = ((64, 256, 4), (32, 512, 4), (128, 256, 8), (64, 512, 8), (128, 512, 8)) if wide else \
+            ((64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8), (256, 32, 8))
+        for bn, bk, warps in tiles_:
             tiles = triton.cdiv(N, bn)
             out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, 4), warps))
     if 1 < M <= 64:

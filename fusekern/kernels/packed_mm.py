@@ -29,9 +29,9 @@ import triton.language as tl
 
 from fusekern.patterns.decode.layout import PackedLayout
 
-MAGIC = 0x4B000000      # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives 2**23 + it
-MAGIC_F = 8388608.0
-E2M1_SCALE = 16384.0     # the fp16-bits trick yields E2M1 values divided by 2**14
+# float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives the float 2**23 + it
+MAGIC_F = tl.constexpr(8388608.0)
+E2M1_SCALE = tl.constexpr(16384.0)  # the fp16-bits trick yields E2M1 values divided by 2**14
 
 FP8 = (torch.float8_e4m3fn,)
 VALUE_CODES = {"uint": 0, "int": 1, "fp8": 2, "e2m1": 3}
@@ -51,7 +51,9 @@ def _field(words, shift, BITS: tl.constexpr):
 def _value(words, shift, VALUE: tl.constexpr, BITS: tl.constexpr):
     """One value per word from the field at ``shift``, as fp32; integers come back as ``2**23 + field``
     (``2**23 + 128 + byte`` for signed bytes), E2M1 as its value / 2**14."""
-    if VALUE == 2:  # fp8 e4m3, read as bytes
+    if VALUE == 2:  # fp8 e4m3: bytes, or one byte of an int32 word
+        if words.dtype == tl.int32:
+            words = _field(words, shift, BITS).to(tl.uint8)
         return words.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     elif VALUE == 3:  # E2M1 -> fp16 bits: sign to bit 15, exponent and mantissa to bits 9..11
         f = _field(words, shift, BITS)
@@ -202,7 +204,7 @@ def packed_gemv_kernel(
         kw = t * BKW + tl.arange(0, BKW)
         wmask = (kw[:, None] < KW) & nmask
         words = tl.load(qp + kw[:, None] * sqk + n * sqn, mask=wmask, other=0)
-        if VALUE != 2:
+        if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
         kk = kw[:, None] * P
         if PER_TILE:
@@ -413,7 +415,7 @@ def fits(lay: PackedLayout, cfg) -> bool:
 def _words(lay: PackedLayout, q: torch.Tensor | None = None, K: int | None = None):
     """(read as int32 words?, values per loaded word, field order) for the GEMV: 1-byte codes contiguous
     along K are read four bytes at a time."""
-    if lay.pack_axis == "N" or lay.value == "fp8" or lay.bits * lay.per_word != 8:
+    if lay.pack_axis == "N" or lay.bits * lay.per_word != 8:
         return False, lay.per_word, lay.order
     if q is not None:
         kdim = lay.code_dims.index("k")
@@ -550,3 +552,84 @@ def packed_mm_reference(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: i
     if bias is not None:
         out = out + bias.cpu().to(torch.float64)
     return out
+
+
+# ----------------------------------------------------------------------------- builds for the report
+
+_SEQ8 = tuple(range(8))
+_AWQ = (0, 4, 1, 5, 2, 6, 3, 7)
+# The layouts ``derive_layout`` finds for these zoo formats (tests/test_packed_mm.py derives them all),
+# with the leaf pointer types the kernels see (fp8 leaves are passed as bytes).
+REPORT_LAYOUTS = {
+    "gptq": (PackedLayout(0, ("k", "n"), 4, 8, "K", _SEQ8, "uint", 2, ("k", "n"), "float", 128, 1, "packed", 1,
+                          ("k", "n"), 8, _SEQ8), ("*i32", "*bf16", "*i32")),
+    "int4_k_stack": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "uint", 1, ("n", "k"), "float", 128, 1, "int", 2,
+                                  ("n", "k")), ("*u8", "*bf16", "*u8")),
+    "awq": (PackedLayout(0, ("k", "n"), 4, 8, "N", _AWQ, "uint", 2, ("k", "n"), "float", 128, 1, "packed", 1,
+                         ("k", "n"), 8, _AWQ), ("*i32", "*bf16", "*i32")),
+    "mxfp4": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "e2m1", 1, ("n", "k"), "e8m0", 32, 1),
+              ("*u8", "*u8", "*u8")),
+    "nvfp4": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "e2m1", 1, ("n", "k"), "fp8", 16, 1, glob=2),
+              ("*u8", "*u8", "*u8")),
+    "fp8_channel": (PackedLayout(0, ("n", "k"), 8, 1, "", (0,), "fp8", 1, ("n",), "float", 8192, 1),
+                    ("*u8", "*fp32", "*u8")),
+    "int8_channel": (PackedLayout(0, ("n", "k"), 8, 1, "", (0,), "int", 1, ("n",), "float", 8192, 1),
+                     ("*i8", "*fp32", "*i8")),
+}
+REPORT_MS = (1, 16)
+
+
+def aot_builds():
+    """The packed kernels for the report's formats at N = K = 8192: every GEMV and tensor-core config
+    the dispatcher offers at M = 1 and 16, and the decode-once kernel."""
+    from fusekern.kernels import decode_mm as dm
+    from fusekern.kernels.catalog import TritonBuild
+
+    N = K = 8192
+    builds = []
+    for name, (lay, (qt, st, zt)) in REPORT_LAYOUTS.items():
+        scale_code = 0 if lay.scale < 0 else (2 if lay.scale_enc == "e8m0" else 3 if lay.scale_enc == "fp8" else 1)
+        consts = dict(BITS=lay.bits, VALUE=VALUE_CODES[lay.value], ZERO=ZERO_CODES[lay.zero],
+                      ZERO_VALUE=float(lay.zero_value), ZPW=lay.zero_per_word,
+                      ZORDER=_encode(lay.zero_order or (0,)), SCALE=scale_code, GK=lay.group_k, GN=lay.group_n,
+                      HAS_GLOBAL=lay.glob >= 0)
+        word_i32, p, order = _words(lay)
+        kw = (K // lay.per_word if lay.pack_axis == "K" else N // lay.per_word if lay.pack_axis == "N" else K)
+        seen = set()
+        for M in REPORT_MS:
+            for cfg in dm._packed_candidates(M, N, K, 132, lay):
+                if cfg in seen:
+                    continue
+                seen.add(cfg)
+                common = dict(q_ptr=qt, s_ptr=st, z_ptr=zt, g_ptr="*fp32", N=N, K=K, sqk=N if lay.code_dims[0] == "k" else 1,
+                              sqn=1 if lay.code_dims[0] == "k" else kw, ssk=N, ssn=1, szk=N // 8, szn=1)
+                if isinstance(cfg, PackedDequant):
+                    args = dict(w_ptr="*bf16", KW=kw, stride_wk=N, stride_wn=1, **common)
+                    builds.append(TritonBuild("packed_decode", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
+                                              f"w{cfg.num_warps} [{K}x{N}]", packed_decode_kernel, args,
+                                              dict(consts, P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False,
+                                                   PACK_N=lay.pack_axis == "N", BLOCK_K=cfg.BLOCK_K,
+                                                   BLOCK_N=cfg.BLOCK_N), cfg.num_warps, 1))
+                    continue
+                out_t = "*fp32" if cfg.SPLIT_K > 1 else "*bf16"
+                args = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr=out_t, M=M, KW=kw, stride_xm=K, stride_xk=1,
+                            stride_os=M * N, stride_om=N, stride_on=1, **common)
+                if isinstance(cfg, PackedGemv):
+                    if word_i32:
+                        args.update(KW=kw // 4, sqn=args["sqn"] // 4)
+                    kernel = packed_gemv_n_kernel if lay.pack_axis == "N" else packed_gemv_kernel
+                    ce = dict(consts, P=p, ORDER=_encode(order), WORD_I32=word_i32, HAS_BIAS=False,
+                              SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+                    label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
+                    kname = "packed_gemv"
+                else:
+                    kernel = packed_dot_kernel
+                    ce = dict(consts, P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False,
+                              PACK_N=lay.pack_axis == "N", HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M,
+                              BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, IEEE=False)
+                    label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} "
+                             f"SPLIT_K={cfg.SPLIT_K}")
+                    kname = "packed_dot"
+                builds.append(TritonBuild(kname, f"{label} w{cfg.num_warps} s{cfg.num_stages} [{M}x{N}x{K}]",
+                                          kernel, args, ce, cfg.num_warps, cfg.num_stages))
+    return builds
