@@ -109,9 +109,11 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
         # Tiles whose per-thread accumulator (BLOCK_K / values-per-word x BLOCK_N / threads) stays at
         # 16-32 fp32 registers: wide K tiles where a word holds several values, narrow ones otherwise.
         wide = lay.pack_axis != "N" and pm._words(lay)[1] >= 4
-        tiles_ = ((64, 256, 4), (32, 512, 4), (128, 256, 8), (64, 512, 8), (128, 512, 8)) if wide else \
+        tiles_ = ((64, 256, 4), (32, 512, 4), (128, 256, 8), (128, 128, 4), (256, 128, 8)) if wide else \
             ((64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8), (256, 32, 8))
         for bn, bk, warps in tiles_:
+            if 64 <= lay.group_k < bk:  # a K tile inside one group: scales and zeros once per tile
+                bn, bk = bn * bk // lay.group_k, lay.group_k
             tiles = triton.cdiv(N, bn)
             out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, 4), warps))
     if 1 < M <= 64:

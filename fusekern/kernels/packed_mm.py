@@ -198,7 +198,12 @@ def packed_gemv_kernel(
         qp = q_ptr.to(tl.pointer_type(tl.int32))
     else:
         qp = q_ptr
+    # Zero points of whole-tile groups are applied once per tile: sum_k (q - z) x = sum_k q x - z sum_k x,
+    # so the per-value work is extract, offset, multiply-add, and the zero row never meets the tile
+    # (mixing the two layouts made Triton convert the tile through shared memory for every value).
+    ZERO_PER_TILE: tl.constexpr = PER_TILE and ZERO != 0
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    accz = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(t0, t1):
         k0 = t * BLOCK_K
         kw = t * BKW + tl.arange(0, BKW)
@@ -206,26 +211,39 @@ def packed_gemv_kernel(
         words = tl.load(qp + kw[:, None] * sqk + n * sqn, mask=wmask, other=0)
         if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
-        kk = kw[:, None] * P
         if PER_TILE:
             kz = k0 + tl.zeros((1, 1), dtype=tl.int32)
             zmask = nmask
         else:
-            kz = kk
+            kz = kw[:, None] * P
             zmask = wmask
-        part = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(P):
-            xj = tl.load(x_row + (kw * P + j) * stride_xk, mask=kw * P + j < K, other=0).to(tl.float32)
-            if P == 1 and VALUE == 1:
-                v = ((words + 128) | 0x4B000000).to(tl.float32, bitcast=True)
-            else:
-                v = _value(words, ((ORDER >> (4 * j)) & 15) * BITS, VALUE, BITS)
-            v = _zero_sub(v, z_ptr, kz, n, zmask, ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
-            part += v * xj[:, None]
+        # All P values of each word at once: [BKW, P, BLOCK_N] with P inside each thread, so the word is
+        # loaded once, x is one vector load of P values per word row, and the sum over P stays in registers.
+        pos = tl.arange(0, P)
+        kj = kw[:, None, None] * P + pos[None, :, None]
+        x3 = tl.load(x_row + kj * stride_xk, mask=kj < K, other=0).to(tl.float32)  # [BKW, P, 1]
+        if P == 1 and VALUE == 1:
+            v = ((words[:, None, :] + 128) | 0x4B000000).to(tl.float32, bitcast=True)
+        else:
+            v = _value(words[:, None, :], ((ORDER >> (4 * pos[None, :, None])) & 15) * BITS, VALUE, BITS)
+        if ZERO_PER_TILE:
+            v = v - _offset(VALUE)
+            xsum = tl.sum(tl.sum(x3, axis=2), axis=1)
+        else:
+            v = _zero_sub(v, z_ptr, kz[:, None, :] if not PER_TILE else kz[:, None, :], n[:, None, :],
+                          zmask[:, None, :], ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
+        part = tl.sum(v * x3, axis=1)  # [BKW, BLOCK_N]
         if SCALE != 0:
-            part = part * _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+            s = _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+            part = part * s
         acc += part
-    out = tl.sum(acc, axis=0)
+        if ZERO_PER_TILE:
+            z = _zero_sub(tl.zeros((1, BLOCK_N), dtype=tl.float32) + _offset(VALUE), z_ptr, kz, n, zmask, ZERO,
+                          ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)  # = -zero
+            if SCALE != 0:
+                z = z * s
+            accz += tl.sum(z * tl.sum(xsum, axis=0), axis=0)
+    out = tl.sum(acc, axis=0) + accz
     if VALUE == 3:
         out = out * E2M1_SCALE
     if HAS_GLOBAL:
