@@ -106,16 +106,14 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
     for a few rows, swap-AB tensor-core tiles up to 64 rows, and their decode + cuBLAS at any M."""
     out = []
     if M <= PACKED_GEMV_M_MAX:
-        # Tiles whose per-thread accumulator (BLOCK_K / values-per-word x BLOCK_N / threads) stays at
-        # 16-32 fp32 registers: wide K tiles where a word holds several values, narrow ones otherwise.
+        # Narrow column tiles and many programs won on the H200 (benchmarks/results/h200/packed_mm_sweep.csv,
+        # N = K = 8192, 72 configs x 6 formats): the first one was within 6% of the best on every format.
         wide = lay.pack_axis != "N" and pm._words(lay)[1] >= 4
-        tiles_ = ((64, 256, 4), (32, 512, 4), (128, 256, 8), (128, 128, 4), (256, 128, 8)) if wide else \
-            ((64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8), (256, 32, 8))
-        for bn, bk, warps in tiles_:
-            if 64 <= lay.group_k < bk:  # a K tile inside one group: scales and zeros once per tile
-                bn, bk = bn * bk // lay.group_k, lay.group_k
+        tiles_ = ((32, 256, 2, 4), (32, 512, 4, 4), (32, 512, 4, 1), (512, 128, 8, 1), (64, 128, 2, 4)) if wide else \
+            ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 256, 2, 4))
+        for bn, bk, warps, per_sm in tiles_:
             tiles = triton.cdiv(N, bn)
-            out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, 4), warps))
+            out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, per_sm), warps))
     if 1 < M <= 64:
         bm = max(16, triton.next_power_of_2(M))
         for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):
