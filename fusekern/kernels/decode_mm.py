@@ -174,22 +174,30 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
         try:
             run = functools.partial(decode_mm_triton, x, leaves, text, bias, cfg, layout=layout)
             run()  # compiles
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(3):
-                start.record()
-                for _ in range(5):
-                    run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 5)
-            ms = sorted(times)[1]
+            ms = _gpu_time(run)
         except (triton.runtime.errors.OutOfResources, RuntimeError):  # a config that does not fit: skip it
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
     _tuned[key] = best = best or DequantConfig()
     return best
+
+
+def _gpu_time(run, reps: int = 3, launches: int = 10) -> float:
+    """Milliseconds of GPU time per ``run()``: the launches queue up behind a ~2 ms device-side sleep, so
+    the events time the kernels back to back, not the Python that launches them (a small GEMV runs in
+    less time than its launch takes on the CPU; timing launches picked configs at random)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(4_000_000)
+        start.record()
+        for _ in range(launches):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return sorted(times)[reps // 2]
 
 
 def _split_k(tiles: int, k_tiles: int, sms: int, per_sm: int = 2) -> int:

@@ -471,14 +471,20 @@ def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
         kw //= 4
     ssk, ssn = _strides(s, lay.scale_dims)
     szk, szn = _strides(z, lay.zero_dims)
-    scale_code = 0 if s is None else (2 if lay.scale_enc == "e8m0" else 3 if s.dtype in FP8 else 1)
+    consts = _constexprs(lay, s is not None and s.dtype in FP8)
     # fp8 leaves are read as bytes and bitcast in the kernel
     q, s = (t.view(torch.uint8) if t is not None and t.dtype in FP8 else t for t in (q, s))
     ptrs = (q, s if s is not None else q, z if z is not None else q, g if g is not None else q)
-    consts = dict(BITS=lay.bits, VALUE=VALUE_CODES[lay.value], ZERO=ZERO_CODES[lay.zero],
-                  ZERO_VALUE=float(lay.zero_value), ZPW=lay.zero_per_word, ZORDER=_encode(lay.zero_order or (0,)),
-                  SCALE=scale_code, GK=lay.group_k, GN=lay.group_n, HAS_GLOBAL=g is not None)
     return ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexprs(lay: PackedLayout, fp8_scale: bool) -> dict:
+    """The kernels' constexprs for a layout, built once (the op runs per token)."""
+    scale_code = 0 if lay.scale < 0 else (2 if lay.scale_enc == "e8m0" else 3 if fp8_scale else 1)
+    return dict(BITS=lay.bits, VALUE=VALUE_CODES[lay.value], ZERO=ZERO_CODES[lay.zero],
+                ZERO_VALUE=float(lay.zero_value), ZPW=lay.zero_per_word, ZORDER=_encode(lay.zero_order or (0,)),
+                SCALE=scale_code, GK=lay.group_k, GN=lay.group_n, HAS_GLOBAL=lay.glob >= 0)
 
 
 def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,

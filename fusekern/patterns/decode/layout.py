@@ -13,6 +13,7 @@ weight's dtype.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import asdict, dataclass
@@ -54,12 +55,7 @@ class PackedLayout:
 
     @staticmethod
     def from_text(text: str) -> "PackedLayout | None":
-        if not text:
-            return None
-        doc = json.loads(text)
-        if doc.pop("v", None) != LAYOUT_VERSION:
-            return None
-        return PackedLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+        return _parse_layout(text)
 
     # -- the reference: what the kernels compute, in float64 ------------------------------------------
     def weight_at(self, leaves, ks: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
@@ -91,6 +87,17 @@ class PackedLayout:
         if self.glob >= 0:
             w = w * leaves[self.glob].reshape(-1)[0].to(torch.float64)
         return w
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_layout(text: str) -> PackedLayout | None:
+    """Parsed once per text: the op passes the layout's text on every call."""
+    if not text:
+        return None
+    doc = json.loads(text)
+    if doc.pop("v", None) != LAYOUT_VERSION:
+        return None
+    return PackedLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
 
 
 def _gather(t: torch.Tensor, dims: tuple, k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
