@@ -71,7 +71,39 @@ def sampler(rows: list[dict]) -> list[str]:
     return out
 
 
-TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler}
+def packed_mm_sweep(rows: list[dict]) -> list[str]:
+    """The fastest config per format and M in the packed kernels' sweep."""
+    best: dict = {}
+    for r in rows:
+        try:
+            us = float(r["us"])
+        except ValueError:  # a config that did not compile or fit
+            continue
+        key = (r["format"], int(r["M"]))
+        if key not in best or us < float(best[key]["us"]):
+            best[key] = r
+    out = ["| format | M | floor | fastest config | µs | × floor |", "|---" * 6 + "|"]
+    for (fmt, m), r in best.items():
+        out.append(f"| {fmt} | {m} | {_num(r['floor_us'])} | `{r['config']}` | {_num(r['us'])} | {float(r['x_floor']):.2f} |")
+    return out
+
+
+def e2e_decode(rows: list[dict]) -> list[str]:
+    out = ["| scope | B | floor | eager | stock compile | fusekern | stock + CUDA graph | fusekern + CUDA graph "
+           "| fusekern (graph) × floor |", "|---" * 9 + "|"]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["scope"], int(r["batch"])), {})[r["impl"]] = r
+    for (scope, b), v in by.items():
+        f = v["fusekern"]
+        out.append(f"| {scope} | {b} | {_num(f['floor_us'])} | {_num(v['eager']['us'])} | {_num(v['stock']['us'])} | "
+                   f"{_num(f['us'])} | {_num(v['stock']['us_cudagraph'])} | {_num(f['us_cudagraph'])} | "
+                   f"{float(f['x_floor_cudagraph']):.2f} |")
+    return out
+
+
+TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
+          "packed_mm_sweep": packed_mm_sweep, "e2e_decode": e2e_decode}
 
 
 def render(name: str, results: str) -> list[str]:

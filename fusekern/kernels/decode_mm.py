@@ -110,7 +110,7 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
         # N = K = 8192, 72 configs x 6 formats): the first one was within 6% of the best on every format.
         wide = lay.pack_axis != "N" and pm._words(lay)[1] >= 4
         tiles_ = ((32, 256, 2, 4), (32, 512, 4, 4), (32, 512, 4, 1), (512, 128, 8, 1), (64, 128, 2, 4)) if wide else \
-            ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 256, 2, 4))
+            ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 64, 2, 4))
         for bn, bk, warps, per_sm in tiles_:
             tiles = triton.cdiv(N, bn)
             out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, per_sm), warps))
