@@ -8,8 +8,10 @@ fp16 / fp32 activations and biases.
 """
 import dataclasses
 
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import packed_mm as pm
@@ -211,3 +213,28 @@ def test_rewrite_passes_the_layout():
         assert rel_err(out, case.fn(x, *ws)) < 1e-2
         notes = [n.reason for n in match_report().notes() if n.pattern == "decode_matmul"]
         assert len(notes) == 1 and notes[0].endswith(kernels), notes
+
+
+def test_partial_last_group():
+    """K = 320 with groups of 128: the last scale group is partial. The layout reads the scale of k // 128
+    and the kernels mask the tail, so every path still gives the reference."""
+    def partial(x, wp, s):
+        N, K = wp.shape[0], wp.shape[1] * 2
+        w = torch.stack([wp & 0xF, wp >> 4], dim=-1).view(N, K).to(x.dtype) - 8
+        return F.linear(x, w * s.repeat_interleave(128, dim=1)[:, :K])
+
+    torch.manual_seed(0)
+    K, N = 320, 72
+    wp = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    s = (torch.rand(N, 3) * 0.02 + 0.005).to(torch.bfloat16)
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    text, leaves, consts = decode_program(partial, x, wp, s)
+    prog = DecodeProgram.from_text(text)
+    lay = derive_layout(prog, recognize(prog, consts), consts)
+    assert lay is not None and lay.group_k == 128
+    leaves, x = [t.to(DEVICE) for t in leaves], x.to(DEVICE)
+    want = pm.packed_mm_reference(x, leaves, lay, K, N)
+    assert rel_err(want, partial(x.cpu(), wp, s).double()) < 1e-2
+    for cfg in configs(lay, 3):
+        got = run(x, leaves, lay, prog, cfg)
+        assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
