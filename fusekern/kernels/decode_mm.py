@@ -15,6 +15,9 @@ Paths, chosen at run time by M (so dynamic M works); see ``select_config`` for t
   multiplies.
 - Tensor-core tiles (``Config`` with BLOCK_M >= 16, optionally swap-AB) decode inside the GEMM's K loop;
   they are correct and tested but slower than decode + cuBLAS on the H200, so dispatch does not pick them.
+- A program of a recognized format comes with a ``PackedLayout``: the hand-tuned kernels of
+  ``fusekern.kernels.packed_mm`` (GEMV, swap-AB tensor-core tile, decode + cuBLAS) are then candidates
+  too, listed first; the tuner keeps whichever path measures fastest.
 Split-K partial sums go to an fp32 workspace and are summed in a fixed order (deterministic).
 Loads that read one element per aligned block of k (group scales, zero points) load one row per tile.
 """
