@@ -209,7 +209,10 @@ def test_rewrite_passes_the_layout():
         x = torch.randn(2, 256, dtype=torch.bfloat16)
         reset_match_report()
         torch._dynamo.reset()
-        out = torch.compile(case.fn, backend="fusekern", options={"fusekern.disable": EXACT})(x, *ws)
+        # A graph from inductor's FX cache skips the passes (and their notes): compile afresh.
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            out = torch.compile(case.fn, backend="fusekern", options={"fusekern.disable": EXACT})(x, *ws)
         assert rel_err(out, case.fn(x, *ws)) < 1e-2
         notes = [n.reason for n in match_report().notes() if n.pattern == "decode_matmul"]
         assert len(notes) == 1 and notes[0].endswith(kernels), notes
@@ -238,3 +241,66 @@ def test_partial_last_group():
     for cfg in configs(lay, 3):
         got = run(x, leaves, lay, prog, cfg)
         assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
+
+
+def _layout_of(fn, *args):
+    text, leaves, consts = decode_program(fn, *args)
+    prog = DecodeProgram.from_text(text)
+    return prog, leaves, derive_layout(prog, recognize(prog, consts), consts)
+
+
+def test_layouts_the_kernels_cannot_compute_are_refused():
+    """Found in review: each of these once got a layout that computed something else."""
+    torch.manual_seed(0)
+    K, N = 256, 384
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    wq = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    z = torch.randint(0, 256, (N,), dtype=torch.uint8)
+    s = torch.rand(N, dtype=torch.bfloat16)
+
+    def zero_plus_one_wraps(x, wq, z, s):  # uint8 z + 1 wraps at 255; a float zero + 1 would not
+        return F.linear(x, (wq - (z + 1).to(torch.bfloat16)[:, None]) * s[:, None])
+
+    def constant_factor(x, wq, s):  # a factor within bf16 rounding of 1 is still a different weight
+        return F.linear(x, ((wq.to(torch.bfloat16) - 8) * s[:, None]) * 1.0078125)
+
+    assert _layout_of(zero_plus_one_wraps, x, wq, z, s)[2] is None
+    assert _layout_of(constant_factor, x, wq, s)[2] is None
+
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+    def e2m1_with_zero(x, codes, s):
+        w = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], -1).view(codes.shape[0], -1)
+        return F.linear(x, ((w - 0.5) * s[:, None]).to(x.dtype))
+
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    assert _layout_of(e2m1_with_zero, x, codes, s.float())[2] is None
+
+    def gptq_2bit(x, qw, s):  # 16 fields per int32: more than the kernels encode
+        shifts = torch.arange(0, 32, 2, dtype=torch.int32)
+        w = ((qw[:, None, :] >> shifts[None, :, None]) & 3).reshape(K, N)
+        return x @ ((w - 2).to(x.dtype) * s)
+
+    qw = torch.randint(-2**31, 2**31 - 1, (K // 16, N), dtype=torch.int32)
+    assert _layout_of(gptq_2bit, x, qw, s)[2] is None
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_fp16_e2m1_small_scales(name):
+    """E2M1 tiles scaled inside the tensor-core tile and rounded to fp16 must not underflow (small E8M0
+    exponents; NVFP4 with a small global scale)."""
+    case = BY_NAME[name]
+    torch.manual_seed(0)
+    K, N = 256, 128
+    ws = list(case.make(K, N, case.group, "cpu"))
+    if name == "mxfp4":
+        ws[1] = torch.randint(108, 112, ws[1].shape, dtype=torch.uint8)
+    else:
+        ws[2] = torch.tensor([2e-4])
+    x = torch.randn(4, K, dtype=torch.float16)
+    prog, leaves, lay = _layout_of(case.fn, x, *ws)
+    leaves, x = [t.to(DEVICE) for t in leaves], x.to(DEVICE)
+    want = pm.packed_mm_reference(x, leaves, lay, K, N)
+    for cfg in configs(lay, 4):
+        got = run(x, leaves, lay, prog, cfg)
+        assert rel_err(got.cpu(), want) < TOL[torch.float16], (cfg, rel_err(got.cpu(), want))

@@ -156,6 +156,8 @@ def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, 
         shifts = ((ORDER >> (4 * pos)) & 15) * BITS
         v = _value(words[:, None, :], shifts[None, :, None], VALUE, BITS)
         v = tl.reshape(v, (BLOCK_K, BLOCK_N))
+    if VALUE == 3:  # E2M1 at its true value: a tile rounded to fp16 after scaling must not underflow
+        v = v * E2M1_SCALE
     v = _zero_sub(v, z_ptr, k, n, mask, ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
     if APPLY_SCALE:
         if SCALE != 0:
@@ -290,8 +292,6 @@ def packed_gemv_n_kernel(
         else:
             acc += v * xk[:, None]
     out = tl.sum(acc, axis=0)
-    if VALUE == 3:
-        out = out * E2M1_SCALE
     if HAS_GLOBAL:
         out = out * tl.load(g_ptr).to(tl.float32)
     if HAS_BIAS:
@@ -347,8 +347,6 @@ def packed_dot_kernel(
         else:
             acc += d
     out = tl.trans(acc)
-    if VALUE == 3:
-        out = out * E2M1_SCALE
     if HAS_GLOBAL:
         out = out * tl.load(g_ptr).to(tl.float32)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -377,8 +375,6 @@ def packed_decode_kernel(
     v = _tile(q_ptr, z_ptr, s_ptr, k0, tl.program_id(1) * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn,
               K, N, KW, BITS, P, ORDER, VALUE, PACK_N, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
               True, BLOCK_K, BLOCK_N)
-    if VALUE == 3:
-        v = v * E2M1_SCALE
     if HAS_GLOBAL:
         v = v * tl.load(g_ptr).to(tl.float32)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -425,7 +421,7 @@ def fits(lay: PackedLayout, cfg) -> bool:
         return False
     if isinstance(cfg, PackedGemv) and lay.pack_axis != "N":
         p = _words(lay)[1]
-        if bk % p or (lay.group_k % p and lay.group_k < bk):
+        if bk % p or lay.group_k % p:  # the GEMV scales a word's values together: one group per word
             return False
     return True
 
@@ -441,6 +437,8 @@ def _words(lay: PackedLayout, q: torch.Tensor | None = None, K: int | None = Non
                 or any(st % 4 for d, st in enumerate(q.stride()) if d != kdim and q.shape[d] > 1):
             return False, lay.per_word, lay.order
     p = lay.per_word
+    if 4 * p > 8:  # field orders are encoded 4 bits per field, 8 fields at most
+        return False, p, lay.order
     order = tuple((j // p) * p + lay.order[j % p] for j in range(4 * p))
     return True, 4 * p, order
 
