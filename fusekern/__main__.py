@@ -22,7 +22,8 @@ def _check(args) -> int:
         if isinstance(p, GraphRewrite):
             # Random outputs cannot be compared elementwise: its own tests prove it (exact with injected
             # noise, chi-square on frequencies). Listed so nobody mistakes it for checked here.
-            proof = {"sample": "tests/test_sampling_patterns.py", "decode_matmul": "tests/test_decode_matmul.py"}
+            proof = {"sample": "tests/test_sampling_patterns.py", "decode_matmul": "tests/test_decode_matmul.py",
+                     "greedy_mask": "tests/test_greedy_mask.py"}
             print(f"{p.name:<34} {p.family:<15} {'-':>5} {'-':>8} {'-':>10} {'-':>8}  structural rewrite: "
                   f"see {proof.get(p.name, 'its own tests')}", flush=True)
             continue

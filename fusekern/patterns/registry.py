@@ -27,7 +27,8 @@ log = logging.getLogger("fusekern")
 
 FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
 STAGES = ("post_grad", "joint")
-BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul", "fusekern.patterns.sampling")
+BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul", "fusekern.patterns.sampling",
+                   "fusekern.patterns.sampling_greedy")
 ENTRY_POINT_GROUP = "fusekern.patterns"
 
 # Relative-error tolerances (||out - ref|| / ||ref||) by the least precise float dtype a computation

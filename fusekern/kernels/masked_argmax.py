@@ -1,0 +1,159 @@
+"""Greedy decoding with a token mask, fused: ``argmax`` of ``logits / T`` with banned tokens at ``-inf``.
+
+The original graph (issue 5, pattern 4) copies the logits, divides by the temperature, writes ``-inf``
+onto the banned or draft tokens (``scatter``, ``x[:, ids] = -inf`` or ``masked_fill``) and takes the
+argmax. ``masked_argmax`` reads each logit once and keeps a running (value, index) per row.
+
+Semantics are the original graph's, run eagerly, bit for bit:
+- ``logits / T`` is divided in fp32 and rounded to the logits' dtype, as eager bf16 / fp16 division is
+  (so ties created by the rounding break the same way);
+- ties go to the lowest index, as ``torch.argmax``; a row of ``-inf`` gives 0;
+- a NaN is the maximum (``torch.argmax`` returns the first NaN);
+- banned ids may be negative (counted from the end, as indexing does); a banned id outside the row
+  makes the graph raise, the kernel ignores it.
+
+Read top to bottom: kernel -> launcher -> reference -> custom op.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_VERSION = "masked_argmax-1"
+LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def masked_argmax_kernel(
+    x_ptr, t_ptr, t_scalar, banned_ptr, mask_ptr, out_ptr,
+    V, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
+    HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    if T_TENSOR:
+        t = tl.load(t_ptr + row * stride_t).to(tl.float32)
+    else:
+        t = t_scalar
+    best_v = tl.full((), -float("inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int32)
+    nan_i = tl.full((), 0, tl.int32) + V
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < V
+        x = tl.load(x_row + offs, mask=valid, other=0).to(tl.float32)
+        if HAS_T:  # correctly rounded fp32 division, then the logits' dtype: eager's rounding
+            x = tl.math.div_rn(x, tl.zeros_like(x) + t).to(DTYPE).to(tl.float32)
+        if HAS_MASK:
+            m = tl.load(mask_ptr + row * stride_mb + offs * stride_mv, mask=valid, other=0)
+            x = tl.where(m != 0, -float("inf"), x)
+        if HAS_BANNED:
+            for j in range(n_banned):
+                b = tl.load(banned_ptr + row * stride_bb + j * stride_bj).to(tl.int32)
+                b = tl.where(b < 0, b + V, b)
+                x = tl.where(offs == b, -float("inf"), x)
+        isnan = x != x
+        nan_i = tl.minimum(nan_i, tl.min(tl.where(isnan & valid, offs, V), axis=0))
+        x = tl.where(valid & ~isnan, x, -float("inf"))
+        v, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = v > best_v  # an equal value later in the row does not win: lowest index on ties
+        best_i = tl.where(better, start + i, best_i)
+        best_v = tl.where(better, v, best_v)
+    tl.store(out_ptr + row, tl.where(nan_i < V, nan_i, best_i).to(tl.int64))
+
+
+def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None, block: int = 4096) -> torch.Tensor:
+    """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
+    value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
+    ``mask``: bool ``[B, V]`` or ``[V]``, True = banned."""
+    B, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    t_tensor = isinstance(temperature, torch.Tensor)
+    t = temperature.reshape(-1) if t_tensor else logits
+    stride_t = 0 if not t_tensor or t.numel() == 1 else 1
+    if banned is not None:
+        b2 = banned if banned.dim() == 2 else banned.reshape(1, -1)
+        sbb, sbj, n_banned = (b2.stride(0) if b2.shape[0] > 1 else 0), b2.stride(1), b2.shape[1]
+    else:
+        b2, sbb, sbj, n_banned = logits, 0, 0, 0
+    if mask is not None:
+        m2 = (mask if mask.dim() == 2 else mask.reshape(1, -1)).view(torch.uint8)
+        smb, smv = (m2.stride(0) if m2.shape[0] > 1 else 0), m2.stride(1)
+    else:
+        m2, smb, smv = logits, 0, 0
+    block = min(block, triton.next_power_of_2(V))
+    masked_argmax_kernel[(B,)](
+        logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
+        V, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
+        HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
+        DTYPE=_TL[logits.dtype], BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )
+    return out
+
+
+def masked_argmax_reference(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The original graph in plain PyTorch: scatter -inf onto a copy of ``logits / T``, then argmax."""
+    x = logits.clone() if temperature is None else logits / temperature
+    if banned is not None:
+        ids = banned if banned.dim() == 2 else banned.reshape(1, -1).expand(x.shape[0], -1)
+        ids = torch.where(ids < 0, ids + x.shape[-1], ids)
+        x = x.scatter(-1, ids.long(), float("-inf"))
+    if mask is not None:
+        x = x.masked_fill(mask, float("-inf"))
+    return x.argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+torch.library.define(
+    "fusekern::masked_argmax",
+    "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? banned, Tensor? mask) -> Tensor",
+)
+
+
+def _temperature(temperature, temperature_scalar):
+    if temperature is not None:
+        return temperature
+    return None if temperature_scalar == 1.0 else temperature_scalar
+
+
+@torch.library.impl("fusekern::masked_argmax", "CUDA")
+def _masked_argmax_cuda(logits, temperature, temperature_scalar, banned, mask):
+    return masked_argmax_triton(logits, _temperature(temperature, temperature_scalar), banned, mask)
+
+
+@torch.library.impl("fusekern::masked_argmax", "CPU")
+def _masked_argmax_cpu(logits, temperature, temperature_scalar, banned, mask):
+    return masked_argmax_reference(logits, _temperature(temperature, temperature_scalar), banned, mask)
+
+
+@torch.library.register_fake("fusekern::masked_argmax")
+def _masked_argmax_fake(logits, temperature, temperature_scalar, banned, mask):
+    if logits.dim() != 2:
+        raise ValueError(f"masked_argmax: logits must be [B, V], got shape {tuple(logits.shape)}")
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+masked_argmax = torch.ops.fusekern.masked_argmax
+
+
+def aot_builds():
+    """bf16 logits at V = 128256: with a per-row temperature and banned ids, and with a bool mask."""
+    from fusekern.kernels.catalog import TritonBuild
+
+    V = 128256
+    base = dict(x_ptr="*bf16", t_ptr="*bf16", t_scalar=1.0, banned_ptr="*i64", mask_ptr="*u8", out_ptr="*i64",
+                V=V, n_banned=8, stride_x=V, stride_t=1, stride_bb=8, stride_bj=1, stride_mb=V, stride_mv=1)
+    out = []
+    for label, flags in (("T tensor + banned ids", dict(HAS_T=True, T_TENSOR=True, HAS_BANNED=True, HAS_MASK=False)),
+                         ("T scalar + bool mask", dict(HAS_T=True, T_TENSOR=False, HAS_BANNED=False, HAS_MASK=True))):
+        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=4096 {label}", masked_argmax_kernel, base,
+                               dict(flags, DTYPE=tl.bfloat16, BLOCK=4096), 8, 3))
+    return out

@@ -1,0 +1,160 @@
+"""Greedy decoding with a token mask (issue 5, pattern 4): argmax of logits / T with -inf written onto
+banned tokens -> ``fusekern::masked_argmax``. Tokens must equal eager's exactly (no randomness here).
+
+CPU: every mask form (scatter, ``x[:, ids] = -inf``, masked_fill with a [B, V] or [V] mask) with every
+temperature form, compiled through ``backend="fusekern"``; the Triton kernel in the interpreter against
+the reference on ties, NaN, all -inf rows, negative and repeated ids, odd V and strided rows; near misses
+that must stay as written.
+"""
+import pytest
+import torch
+
+from fusekern.kernels import masked_argmax as ma
+from fusekern.testing import assert_compiled
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAME = "greedy_mask"
+
+
+def scatter_banned(logits, ids, T):
+    return (logits / T).scatter(-1, ids, float("-inf")).argmax(dim=-1)
+
+
+def scatter_banned_no_temperature(logits, ids):
+    return logits.clone().scatter_(-1, ids, float("-inf")).argmax(-1, keepdim=True)
+
+
+def index_banned(logits, vocab_ids, T):
+    x = logits / T
+    x[:, vocab_ids] = float("-inf")
+    return torch.argmax(x, dim=-1)
+
+
+def masked_fill(logits, mask, T):
+    return (logits / T).masked_fill(mask, float("-inf")).argmax(-1)
+
+
+def logits_of(B, V, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, V, generator=g) * 3).to(dtype)
+    x[0, 5] = x[0].max()                       # a tie with an earlier or later max
+    if B > 2:
+        x[2, :] = float("-inf")                  # nothing finite: token 0
+    return x.to(DEVICE)
+
+
+def temperatures(B, dtype):
+    return [0.7, torch.tensor(0.55, dtype=dtype, device=DEVICE),
+            (torch.rand(B, 1) + 0.5).to(dtype).to(DEVICE)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("form", ["scatter", "index", "mask_2d", "mask_1d", "scatter_no_t"])
+def test_forms_fire_and_match_eager_exactly(form, dtype):
+    B, V = 4, 1000
+    logits = logits_of(B, V, dtype)
+    ids = torch.randint(0, V, (B, 6), device=DEVICE)
+    ids[1, 0] = ids[1, 1]  # a repeated id
+    mask = torch.rand(B, V, device=DEVICE) < 0.3
+    for T in temperatures(B, dtype) if form != "scatter_no_t" else [None]:
+        fn, args = {
+            "scatter": (scatter_banned, (logits, ids, T)),
+            "index": (index_banned, (logits, ids[0], T)),
+            "mask_2d": (masked_fill, (logits, mask, T)),
+            "mask_1d": (masked_fill, (logits, mask[0], T)),
+            "scatter_no_t": (scatter_banned_no_temperature, (logits, ids)),
+        }[form]
+        assert_compiled(fn, args, fired={NAME: 1}, gone=["aten.argmax.default"], tol=0.0)
+
+
+def test_temperature_tensor_does_not_recompile():
+    B, V = 3, 500
+    logits = logits_of(B, V, torch.bfloat16)
+    ids = torch.randint(0, V, (B, 4), device=DEVICE)
+    counts = []
+    torch._dynamo.reset()
+    compiled = torch.compile(scatter_banned, backend="fusekern")
+    for t in (0.5, 0.9, 1.3):
+        T = torch.full((B, 1), t, dtype=torch.bfloat16, device=DEVICE)
+        assert torch.equal(compiled(logits, ids, T), scatter_banned(logits, ids, T))
+        counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert counts[0] == counts[-1]
+
+
+def test_dynamic_batch():
+    V = 700
+    ids = lambda B: torch.randint(0, V, (B, 3), device=DEVICE)  # noqa: E731
+    args = [(logits_of(B, V, torch.bfloat16, seed=B), ids(B), 0.8) for B in (2, 5, 9)]
+    assert_compiled(scatter_banned, args[0], fired={NAME: 1}, tol=0.0, dynamic=True, extra_args=args[1:])
+
+
+def near_miss_dim0(logits, ids, T):
+    return (logits / T).scatter(-1, ids, float("-inf")).argmax(dim=0)
+
+
+def near_miss_finite_fill(logits, ids, T):
+    return (logits / T).scatter(-1, ids, -1e4).argmax(dim=-1)
+
+
+def near_miss_mask_returned(logits, mask, T):
+    y = (logits / T).masked_fill(mask, float("-inf"))
+    return y.argmax(-1), y
+
+
+def near_miss_promoting_temperature(logits, ids, T):
+    return (logits / T).scatter(-1, ids, float("-inf")).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("case", ["dim0", "finite_fill", "returned", "promotes", "ids_one_row"])
+def test_near_misses_stay(case):
+    B, V = 4, 300
+    logits = logits_of(B, V, torch.bfloat16)
+    ids = torch.randint(0, V, (B, 3), device=DEVICE)
+    mask = torch.rand(B, V, device=DEVICE) < 0.2
+    fn, args = {
+        "dim0": (near_miss_dim0, (logits, ids, 0.7)),
+        "finite_fill": (near_miss_finite_fill, (logits, ids, 0.7)),
+        "returned": (near_miss_mask_returned, (logits, mask, 0.7)),
+        "promotes": (near_miss_promoting_temperature, (logits, ids, torch.full((B, 1), 0.7, device=DEVICE))),
+        "ids_one_row": (scatter_banned, (logits, ids[:1], 0.7)),  # scatter masks row 0 only
+    }[case]
+    if case == "returned":
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="fusekern")(*args)
+        want = fn(*args)
+        assert torch.equal(got[0], want[0])
+        import fusekern
+        assert NAME not in fusekern.match_report().fired()
+        return
+    assert_compiled(fn, args, fired={}, tol=0.0)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_kernel_matches_reference(dtype):
+    B, V = 6, 2500  # V not a multiple of the block
+    x = logits_of(B, V, dtype, seed=3)
+    x[3, 11] = float("nan")                     # NaN wins, as torch.argmax
+    x[4, 7] = float("inf")
+    x[5, :] = x[5, 0]                           # all tied: the first unbanned token
+    ids = torch.randint(-V, V, (B, 5), device=DEVICE)  # negative ids count from the end
+    ids[5, 0] = 0
+    mask = torch.rand(B, V, device=DEVICE) < 0.25
+    T = (torch.rand(B, 1) + 0.5).to(dtype).to(DEVICE)
+    wide = torch.empty(B, 2 * V, dtype=dtype, device=DEVICE)[:, ::2]  # strided logits: copied first
+    wide.copy_(x)
+    for logits in (x, wide, x[:, :V - 3]):
+        for T_, b, m in ((None, ids, None), (0.7, None, mask[:, :logits.shape[1]]), (T, ids, None),
+                         (T, None, mask[0, :logits.shape[1]]), (0.9, ids[0], None), (None, ids, mask[:, :logits.shape[1]])):
+            b_ = None if b is None else torch.where(b.abs() < logits.shape[1], b, 0)
+            for block in (512, 4096):
+                got = ma.masked_argmax_triton(logits, T_, b_, m, block=block)
+                want = ma.masked_argmax_reference(logits, T_, b_, m)
+                assert torch.equal(got.cpu(), want.cpu()), (T_ is None, b is None, m is None, block)
+
+
+def test_kernel_registers_and_report():
+    builds = ma.aot_builds()
+    assert {b.kernel for b in builds} == {"masked_argmax"}
