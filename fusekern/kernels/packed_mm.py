@@ -118,9 +118,37 @@ def _zero_sub(v, z_ptr, kk, nn, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constex
 
 
 @triton.jit
+def _k_tiles(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [t0, t1) of split ``pid_k``: contiguous runs of tiles, one per split."""
+    tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(tiles, SPLIT_K)
+    t0 = pid_k * per
+    return t0, tl.minimum(t0 + per, tiles)
+
+
+@triton.jit
+def _tile_scale(s_ptr, k0, offs_n, N, GK: tl.constexpr, GN: tl.constexpr, ssk, ssn, SCALE: tl.constexpr):
+    """The ``[1, BLOCK_N]`` scale row of the group holding k0 (a tile inside one group)."""
+    return _scale_of(_group_load(s_ptr, k0 + tl.zeros((1, 1), dtype=tl.int32), offs_n[None, :], offs_n[None, :] < N,
+                                 GK, GN, ssk, ssn), SCALE)
+
+
+@triton.jit
+def _gemv_store(out, g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, stride_om, stride_on,
+                HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMV program's epilogue: global scale, bias, store of its K slice's partial row."""
+    if HAS_GLOBAL:
+        out = out * tl.load(g_ptr).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
 def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
           BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, PACK_N: tl.constexpr,
-          WORD_I32: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr,
+          ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr,
           ZORDER: tl.constexpr, SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, APPLY_SCALE: tl.constexpr,
           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The decoded ``[BLOCK_K, BLOCK_N]`` tile (fp32) at rows ``offs_k``, columns ``offs_n``: zero point
@@ -147,11 +175,7 @@ def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, 
     else:
         BKW: tl.constexpr = BLOCK_K // P
         kw = k0 // P + tl.arange(0, BKW)
-        if WORD_I32:
-            words = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + kw[:, None] * sqk + n * sqn,
-                            mask=(kw[:, None] < KW) & (n < N), other=0)
-        else:
-            words = tl.load(q_ptr + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & (n < N), other=0).to(tl.int32)
+        words = tl.load(q_ptr + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & (n < N), other=0).to(tl.int32)
         pos = tl.arange(0, P)
         shifts = ((ORDER >> (4 * pos)) & 15) * BITS
         v = _value(words[:, None, :], shifts[None, :, None], VALUE, BITS)
@@ -191,10 +215,7 @@ def packed_gemv_kernel(
     n = offs_n[None, :]
     nmask = n < N
     PER_TILE: tl.constexpr = GK % BLOCK_K == 0  # one scale row per tile
-    tiles = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(tiles, SPLIT_K)
-    t0 = pid_k * per
-    t1 = tl.minimum(t0 + per, tiles)
+    t0, t1 = _k_tiles(pid_k, K, BLOCK_K, SPLIT_K)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     if WORD_I32:
         qp = q_ptr.to(tl.pointer_type(tl.int32))
@@ -232,8 +253,8 @@ def packed_gemv_kernel(
             v = v - _offset(VALUE)
             xsum = tl.sum(tl.sum(x3, axis=2), axis=1)
         else:
-            v = _zero_sub(v, z_ptr, kz[:, None, :] if not PER_TILE else kz[:, None, :], n[:, None, :],
-                          zmask[:, None, :], ZERO, ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
+            v = _zero_sub(v, z_ptr, kz[:, None, :], n[:, None, :], zmask[:, None, :], ZERO, ZERO_VALUE, VALUE,
+                          GK, GN, ZPW, ZORDER, BITS, szk, szn)
         part = tl.sum(v * x3, axis=1)  # [BKW, BLOCK_N]
         if SCALE != 0:
             s = _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
@@ -248,12 +269,8 @@ def packed_gemv_kernel(
     out = tl.sum(acc, axis=0) + accz
     if VALUE == 3:
         out = out * E2M1_SCALE
-    if HAS_GLOBAL:
-        out = out * tl.load(g_ptr).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    _gemv_store(out, g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, stride_om, stride_on,
+                HAS_GLOBAL, HAS_BIAS)
 
 
 @triton.jit
@@ -272,32 +289,22 @@ def packed_gemv_n_kernel(
     m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     PER_TILE: tl.constexpr = GK % BLOCK_K == 0
-    tiles = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(tiles, SPLIT_K)
-    t0 = pid_k * per
-    t1 = tl.minimum(t0 + per, tiles)
+    t0, t1 = _k_tiles(pid_k, K, BLOCK_K, SPLIT_K)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for t in range(t0, t1):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
-                  BITS, P, ORDER, VALUE, True, False, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+                  BITS, P, ORDER, VALUE, True, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
                   not PER_TILE, BLOCK_K, BLOCK_N)
         xk = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0).to(tl.float32)
         if PER_TILE and SCALE != 0:
-            s = _scale_of(_group_load(s_ptr, k0 + tl.zeros((1, 1), dtype=tl.int32), offs_n[None, :],
-                                      offs_n[None, :] < N, GK, GN, ssk, ssn), SCALE)
-            acc += v * s * xk[:, None]
+            acc += v * _tile_scale(s_ptr, k0, offs_n, N, GK, GN, ssk, ssn, SCALE) * xk[:, None]
         else:
             acc += v * xk[:, None]
-    out = tl.sum(acc, axis=0)
-    if HAS_GLOBAL:
-        out = out * tl.load(g_ptr).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    _gemv_store(tl.sum(acc, axis=0), g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, stride_om, stride_on,
+                HAS_GLOBAL, HAS_BIAS)
 
 
 # ----------------------------------------------------------------------------- tensor cores (M <= 64)
@@ -308,7 +315,7 @@ def packed_dot_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K, KW,
     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
-    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr,
     PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -323,16 +330,13 @@ def packed_dot_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     PER_TILE: tl.constexpr = GK % BLOCK_K == 0
-    tiles = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(tiles, SPLIT_K)
-    t0 = pid_k * per
-    t1 = tl.minimum(t0 + per, tiles)
+    t0, t1 = _k_tiles(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for t in range(t0, t1):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
-                  BITS, P, ORDER, VALUE, PACK_N, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+                  BITS, P, ORDER, VALUE, PACK_N, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
                   not PER_TILE, BLOCK_K, BLOCK_N)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
                      mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0)
@@ -341,9 +345,7 @@ def packed_dot_kernel(
         else:
             d = tl.dot(tl.trans(v.to(xt.dtype)), xt)
         if PER_TILE and SCALE != 0:
-            s = _scale_of(_group_load(s_ptr, k0 + tl.zeros((1, 1), dtype=tl.int32), offs_n[None, :],
-                                      offs_n[None, :] < N, GK, GN, ssk, ssn), SCALE)
-            acc += d * tl.trans(s)
+            acc += d * tl.trans(_tile_scale(s_ptr, k0, offs_n, N, GK, GN, ssk, ssn, SCALE))
         else:
             acc += d
     out = tl.trans(acc)
@@ -363,7 +365,7 @@ def packed_dot_kernel(
 def packed_decode_kernel(
     w_ptr, q_ptr, s_ptr, z_ptr, g_ptr, N, K, KW,
     sqk, sqn, ssk, ssn, szk, szn, stride_wk, stride_wn,
-    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr,
     PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -373,7 +375,7 @@ def packed_decode_kernel(
     offs_k = k0 + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     v = _tile(q_ptr, z_ptr, s_ptr, k0, tl.program_id(1) * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn,
-              K, N, KW, BITS, P, ORDER, VALUE, PACK_N, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
+              K, N, KW, BITS, P, ORDER, VALUE, PACK_N, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
               True, BLOCK_K, BLOCK_N)
     if HAS_GLOBAL:
         v = v * tl.load(g_ptr).to(tl.float32)
@@ -520,7 +522,7 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
     packed_dot_kernel[grid](
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
-        P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, PACK_N=lay.pack_axis == "N",
+        P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
         HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return _finish(out, bias, x.dtype, cfg.SPLIT_K)
@@ -534,7 +536,7 @@ def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
     grid = (triton.cdiv(K, cfg.BLOCK_K), triton.cdiv(N, cfg.BLOCK_N))
     packed_decode_kernel[grid](
         w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1),
-        P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, PACK_N=lay.pack_axis == "N",
+        P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
         BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **consts)
     return w
 
@@ -629,7 +631,7 @@ def aot_builds():
                     args = dict(w_ptr="*bf16", KW=kw, stride_wk=N, stride_wn=1, **common)
                     builds.append(TritonBuild("packed_decode", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
                                               f"w{cfg.num_warps} [{K}x{N}]", packed_decode_kernel, args,
-                                              dict(consts, P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False,
+                                              dict(consts, P=lay.per_word, ORDER=_encode(lay.order),
                                                    PACK_N=lay.pack_axis == "N", BLOCK_K=cfg.BLOCK_K,
                                                    BLOCK_N=cfg.BLOCK_N), cfg.num_warps, 1))
                     continue
@@ -646,7 +648,7 @@ def aot_builds():
                     kname = "packed_gemv"
                 else:
                     kernel = packed_dot_kernel
-                    ce = dict(consts, P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False,
+                    ce = dict(consts, P=lay.per_word, ORDER=_encode(lay.order),
                               PACK_N=lay.pack_axis == "N", HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M,
                               BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, IEEE=False)
                     label = (f"{name} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} "
