@@ -1,7 +1,13 @@
-"""The structural dequant -> matmul rewrite on every format, N = K = 8192, M = 1, 16, 2048 (issue 3).
+"""The structural dequant -> matmul rewrite on every format, N = K = 8192, M = 1, 16, 2048 (issues 3, 4).
 
     python benchmarks/bench_decode_mm.py [--csv benchmarks/results/h200/decode_mm.csv] [--ms 1,16,2048]
                                          [--formats gptq,awq,...] [--nk 8192]
+                                         [--shapes 8192x8192,4096x4096,14336x4096,4096x14336,128256x4096]
+                                         [--autotune]
+
+``--shapes`` takes N x K pairs (issue 4's list); ``--autotune`` adds stock torch.compile with
+``mode="max-autotune-no-cudagraphs"`` and the unquantized bf16 cuBLAS mm of the same shape (the M = 2048
+yardstick of issue 4).
 
 Each zoo decode (fusekern/testing/decode_zoo.py) as the user wrote it, timed as: eager; stock
 torch.compile (default, static shapes); fusekern (``backend="fusekern"``: the generated kernels, the
@@ -44,18 +50,22 @@ def main():
     ap.add_argument("--ms", default="1,16,2048")
     ap.add_argument("--formats", default=DEFAULT_FORMATS)
     ap.add_argument("--nk", type=int, default=8192)
+    ap.add_argument("--shapes", default=None, help="N x K pairs, e.g. 8192x8192,4096x14336 (overrides --nk)")
+    ap.add_argument("--autotune", action="store_true")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
-    N = K = args.nk
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else \
+        [(args.nk, args.nk)]
     info = versions()
     warm_up_clocks()
     out = RowWriter(args.csv)
-    for name in args.formats.split(","):
+    for (N, K), name in ((shape, name) for shape in shapes for name in args.formats.split(",")):
         case = BY_NAME[name]
         torch.manual_seed(0)
         ws = case.make(K, N, case.group, "cuda")
         fk = torch.compile(case.fn, backend="fusekern", dynamic=False,
                            options={"fusekern.disable": EXACT})
+        w_bf16 = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) if args.autotune else None
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             stock = torch.compile(case.fn)
@@ -64,12 +74,16 @@ def main():
             err = rel_err(got, ref)
             fusekern.reset_match_report()
             variants = {"eager": lambda: case.fn(x, *ws), "stock": lambda: stock(x, *ws), "fusekern": lambda: fk(x, *ws)}
+            if args.autotune:
+                tuned = torch.compile(case.fn, mode="max-autotune-no-cudagraphs")
+                variants["stock_autotune"] = lambda: tuned(x, *ws)
+                variants["cublas_bf16"] = lambda: x @ w_bf16
             row = dict(format=name, recognized=case.format, M=M, N=N, K=K, rel_err=f"{err:.2e}",
                        floor_us=round(floor_us(M, N, K, ws), 2))
             for v, fn in variants.items():
                 fn()
                 row[f"{v}_call_us"] = round(triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3, 2)
-                if v != "eager":
+                if v not in ("eager", "cublas_bf16"):
                     try:
                         row[f"{v}_graph_us"] = round(triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3, 2)
                     except Exception as e:  # not capturable
