@@ -51,8 +51,21 @@ def plot_by_variant(rows, ax, key, variants, title):
     _bars(ax, groups, series, [by[g]["floor"] for g in groups], title)
 
 
+def plot_e2e_decode(rows, ax):
+    groups, by = [], {}
+    for r in rows:
+        g = f"{r['scope']} B={r['batch']}"
+        if g not in by:
+            groups.append(g)
+            by[g] = {"floor": float(r["floor_us"])}
+        by[g][r["impl"]] = float(r["us_cudagraph"])
+    series = {f"{v} + CUDA graph": [by[g].get(v, float("nan")) for g in groups] for v in ("eager", "stock", "fusekern")}
+    _bars(ax, groups, series, [by[g]["floor"] for g in groups], "decode step, Llama-3-8B-shaped layers, W4A16")
+
+
 PLOTS = {
     "decode_mm": plot_decode_mm,
+    "e2e_decode": plot_e2e_decode,
     "w8a16_linear": lambda rows, ax: plot_by_variant(
         rows, ax, lambda r: f"M={r['M']}", ["eager", "inductor_default", "fusekern", "bf16_cublas_unquantized"],
         "W8A16 linear, N = K = 8192"),

@@ -41,10 +41,15 @@ def _check(args) -> int:
     return 1 if failed else 0
 
 
-# family -> (benchmark script, the CSV it writes) in a source checkout's benchmarks/
+# family -> (benchmark script, the CSV it writes, extra arguments) in a source checkout's benchmarks/
+ISSUE4_SHAPES = "8192x8192,4096x4096,14336x4096,4096x14336,128256x4096"  # N x K
 BENCHMARKS = {
-    "dequant_matmul": (("bench_decode_mm.py", "decode_mm.csv"), ("bench_w8a16_linear.py", "w8a16_linear.csv")),
-    "sampling": (("bench_sampler.py", "sampler.csv"),),
+    "dequant_matmul": (("bench_decode_mm.py", "decode_mm.csv", ()),
+                       ("bench_w8a16_linear.py", "w8a16_linear.csv", ()),
+                       ("bench_decode_mm.py", "decode_mm_shapes.csv",
+                        ("--shapes", ISSUE4_SHAPES, "--autotune", "--formats", "gptq,int4_k_stack,mxfp4,fp8_channel"))),
+    "sampling": (("bench_sampler.py", "sampler.csv", ()), ("bench_greedy_mask.py", "greedy_mask.csv", ())),
+    "end_to_end": (("bench_e2e_decode.py", "e2e_decode.csv", ()),),
 }
 
 
@@ -72,9 +77,10 @@ def _bench(args) -> int:
     families = args.family or list(BENCHMARKS)
     failed = 0
     for family in families:
-        for script, csv_name in BENCHMARKS[family]:
+        for script, csv_name, extra in BENCHMARKS[family]:
             print(f"== {family}: {script} -> {os.path.join(out, csv_name)}", flush=True)
-            failed |= subprocess.run([sys.executable, os.path.join(bench, script), "--csv", os.path.join(out, csv_name)]).returncode
+            failed |= subprocess.run([sys.executable, os.path.join(bench, script), "--csv", os.path.join(out, csv_name),
+                                      *extra]).returncode
     subprocess.run([sys.executable, os.path.join(bench, "plot_results.py"), "--results", out])
     if gpu == "h200":  # the README's tables are the H200's
         subprocess.run([sys.executable, os.path.join(bench, "results_tables.py"), "--results", out])
