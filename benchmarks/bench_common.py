@@ -67,3 +67,14 @@ def versions() -> dict:
         cutlass_dsl = "absent"
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cutlass_dsl=cutlass_dsl, git_sha=git_sha())
+
+
+def check_and_time(fn, ref: torch.Tensor, rep: int = 50) -> tuple[float, float | str]:
+    """(relative error of ``fn()`` against ``ref``, median µs of ``do_bench_cudagraph(fn)``) for one
+    config of a sweep; a config that does not compile or fit gives (nan, "n/a (ErrorName...)")."""
+    try:
+        got = fn().float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        return err, triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
+    except Exception as e:
+        return float("nan"), f"n/a ({type(e).__name__}: {str(e)[:80]})"

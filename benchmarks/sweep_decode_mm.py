@@ -17,7 +17,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, check_and_time, versions, warm_up_clocks  # noqa: E402
 
 from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.testing.decode_cones import decode_program  # noqa: E402
@@ -63,12 +63,7 @@ def main():
             ref = dm.decode_mm_reference(x, leaves, text).float()
             default = dm.select_config(M, N, K)
             for cfg in candidates(M, N, K):
-                try:
-                    got = dm.decode_mm_triton(x, leaves, text, config=cfg).float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    us = triton.testing.do_bench_cudagraph(lambda: dm.decode_mm_triton(x, leaves, text, config=cfg), rep=50) * 1e3
-                except Exception as e:  # a config that does not compile / fit
-                    err, us = float("nan"), f"n/a ({type(e).__name__})"
+                err, us = check_and_time(lambda: dm.decode_mm_triton(x, leaves, text, config=cfg), ref)
                 row = dict(format=name, M=M, N=N, K=K, config=str(cfg), default=cfg == default,
                            us=round(us, 2) if isinstance(us, float) else us, rel_err=f"{err:.1e}", **info)
                 print(name, M, cfg, row["us"], row["rel_err"], "*" if row["default"] else "", flush=True)

@@ -18,7 +18,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, check_and_time, versions, warm_up_clocks  # noqa: E402
 
 from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.kernels import packed_mm as pm  # noqa: E402
@@ -86,13 +86,8 @@ def main():
             floor = (leaf_bytes + 2 * M * (K + N)) / BW * 1e6
             best = None
             for cfg in configs(M, N, K, lay):
-                try:
-                    fn = lambda: dm.decode_mm_triton(x, leaves, text, config=cfg, layout=lay.to_text())  # noqa: E731
-                    got = fn().float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    us = triton.testing.do_bench_cudagraph(fn, rep=30) * 1e3
-                except Exception as e:  # a config that does not compile / fit
-                    err, us = float("nan"), f"n/a ({type(e).__name__}: {str(e)[:80]})"
+                err, us = check_and_time(
+                    lambda: dm.decode_mm_triton(x, leaves, text, config=cfg, layout=lay.to_text()), ref, rep=30)
                 ok = isinstance(us, float)
                 row = dict(format=name, M=M, N=N, K=K, config=str(cfg), us=round(us, 2) if ok else us,
                            floor_us=round(floor, 2), x_floor=round(us / floor, 2) if ok else "",

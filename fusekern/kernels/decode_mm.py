@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import importlib.util
+import logging
 import math
 import os
 import tempfile
@@ -97,8 +97,7 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout
     """The launch config for one problem size (dynamic M: chosen per call) when nothing was measured."""
     lay = PackedLayout.from_text(layout) if batch == 1 else None
     if lay is not None:
-        for cfg in _packed_candidates(M, N, K, sms, lay):
-            return cfg
+        return _packed_candidates(M, N, K, sms, lay)[0]  # decode + cuBLAS closes every list
     if M <= GEMV_M_MAX:
         # 32 x 256 tiles at 8 warps: the best or near-best of six shapes on gptq, awq, mxfp4, fp8 blocks
         # and uint8-packed int4 (sweep CSV); 4 warps spilled on one decode.
@@ -642,12 +641,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
             if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype:
                 raise ValueError(f"decode_mm_triton: workspace must be {ws_dtype}[{cfg.SPLIT_K}, 1, {M}, {prog.N}]")
             ws = workspace[:, 0]
-        if isinstance(cfg, pm.PackedGemv):
-            return pm.gemv(x, leaves, lay, prog.K, prog.N, cfg, bias, ws) if _plain_bias(bias, prog.N) else \
-                pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias)
-        if isinstance(cfg, pm.PackedDot) and ws is not None and _plain_bias(bias, prog.N):
-            return pm.dot(x, leaves, lay, prog.K, prog.N, cfg, bias, ws)
-        return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias)
+        return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws)
     if isinstance(cfg, DequantConfig):
         w = decode_weight(leaves, text, x.dtype, cfg)
         out = torch.matmul(x3, w if batched else w[0])
@@ -669,18 +663,8 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
         SWAP_AB=cfg.SWAP_AB, num_warps=cfg.num_warps,
     )
-    if cfg.SPLIT_K > 1:
-        res = out.sum(0)  # a fixed order: deterministic
-        if bias is not None:
-            res = res + bias.float()
-        out = res.to(x.dtype)
-    else:
-        out = out[0]
+    out = pm.reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
     return out if batched else out[0]
-
-
-def _plain_bias(bias, N: int) -> bool:
-    return bias is None or (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1)
 
 
 def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = DequantConfig()) -> torch.Tensor:

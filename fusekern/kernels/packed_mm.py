@@ -428,7 +428,7 @@ def fits(lay: PackedLayout, cfg) -> bool:
     return True
 
 
-def _words(lay: PackedLayout, q: torch.Tensor | None = None, K: int | None = None):
+def _words(lay: PackedLayout, q: torch.Tensor | None = None):
     """(read as int32 words?, values per loaded word, field order) for the GEMV: 1-byte codes contiguous
     along K are read four bytes at a time."""
     if lay.pack_axis == "N" or lay.bits * lay.per_word != 8:
@@ -495,11 +495,10 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         word_i32, p, order = False, lay.per_word, lay.order
         kernel = packed_gemv_n_kernel
     else:
-        word_i32, p, order = _words(lay, leaves[lay.code], K)
+        word_i32, p, order = _words(lay, leaves[lay.code])
         kernel = packed_gemv_kernel
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
-    out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
-    out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=out_dtype)
+    out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)
     kernel[grid](
@@ -507,7 +506,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
         P=p, ORDER=_encode(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
-    return _finish(out, bias, x.dtype, cfg.SPLIT_K)
+    return reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
 
 
 def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedDot, bias=None,
@@ -515,8 +514,7 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
     """``x [M, K] @ W + bias`` on tensor cores (swap-AB)."""
     M = x.shape[0]
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
-    out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
-    out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=out_dtype)
+    out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, triton.cdiv(M, cfg.BLOCK_M))
     packed_dot_kernel[grid](
@@ -525,7 +523,7 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
         HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
-    return _finish(out, bias, x.dtype, cfg.SPLIT_K)
+    return reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
 
 
 def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
@@ -541,7 +539,15 @@ def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
     return w
 
 
-def _finish(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) -> torch.Tensor:
+def _workspace(x: torch.Tensor, N: int, split_k: int, given: torch.Tensor | None) -> torch.Tensor:
+    """Where a GEMV / tensor-core config writes: ``[SPLIT_K, M, N]``, fp32 partial sums when split."""
+    if given is not None:
+        return given
+    return torch.empty((split_k, x.shape[0], N), device=x.device, dtype=torch.float32 if split_k > 1 else x.dtype)
+
+
+def reduce_split_k(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) -> torch.Tensor:
+    """``out[0]``, or the split-K partial sums over the first dim plus the bias, in ``dtype``."""
     if split_k == 1:
         return out[0]
     res = out.sum(0)  # a fixed order: deterministic
@@ -550,15 +556,17 @@ def _finish(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) -> torch.
     return res.to(dtype)
 
 
-def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None) -> torch.Tensor:
+def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None,
+              workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Run one config (GEMV, tensor-core tile, or decode + cuBLAS). A bias other than a contiguous [N]
-    vector is added after the kernel, in fp32."""
+    vector is added after the kernel, in fp32. workspace: the ``[SPLIT_K, M, N]`` buffer a GEMV or
+    tensor-core config writes (tests pass one full of NaN)."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
-        return (packed_mm(x, leaves, lay, K, N, cfg).float() + bias.float()).to(x.dtype)
+        return (packed_mm(x, leaves, lay, K, N, cfg, workspace=workspace).float() + bias.float()).to(x.dtype)
     if isinstance(cfg, PackedGemv):
-        return gemv(x, leaves, lay, K, N, cfg, bias)
+        return gemv(x, leaves, lay, K, N, cfg, bias, workspace)
     if isinstance(cfg, PackedDot):
-        return dot(x, leaves, lay, K, N, cfg, bias)
+        return dot(x, leaves, lay, K, N, cfg, bias, workspace)
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg)
     out = x @ w
     if bias is not None:

@@ -26,21 +26,10 @@ from torch.fx import Graph, Node
 
 from fusekern.kernels import masked_argmax as kernel
 from fusekern.patterns.registry import register_rewrite
+from fusekern.patterns.sampling import Decline, _fake, _is, _val  # the sampling family's node helpers
 
 aten = torch.ops.aten
 NAME = "greedy_mask"
-
-
-class Decline(Exception):
-    pass
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, Node) else None
-
-
-def _is(n, *targets) -> bool:
-    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
 
 
 def _neg_inf(v, graph: Graph) -> bool:
@@ -130,13 +119,6 @@ def match(argmax: Node, graph: Graph) -> dict:
         if any(u not in inside for u in n.users):
             raise Decline(f"{n.name} is also used outside the chain")
     return dict(logits=logits, temperature=temperature, banned=banned, mask=mask)
-
-
-def _fake(fn, *args):
-    vals = [_val(a) if isinstance(a, Node) else a for a in args]
-    mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
-    with mode:
-        return fn(*vals)
 
 
 def rewrite_greedy(graph: Graph) -> int:

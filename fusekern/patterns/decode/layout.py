@@ -219,10 +219,7 @@ def _labelings(shape: tuple, kext: int, next_: int) -> list[tuple]:
     """Every way to read a leaf of ``shape`` as a [k-extent, n-extent] grid (size-1 dims are "1")."""
     big = [i for i, s in enumerate(shape) if s != 1]
     out = []
-    if not big:
-        if kext == 1 and next_ == 1:
-            return [tuple("1" for _ in shape)]
-        # a single value read for the whole weight (per-tensor scale): broadcast, labels "1"
+    if not big:  # one value for the whole grid (a per-tensor scale): broadcast, labels "1"
         return [tuple("1" for _ in shape)]
     if len(big) == 1:
         (i,) = big

@@ -117,7 +117,6 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     for key in ("stack_trace", "nn_module_stack"):
         if key in mm.meta:
             out.meta[key] = mm.meta[key]
-    out.meta["fusekern_layout"] = layout
     mm.replace_all_uses_with(out)
     kernels = "hand-tuned packed kernels" if layout else "generated kernel"
     return f"{fmt.describe()}; {kernels}"
