@@ -21,6 +21,7 @@ Why these kernels are faster than the generated ones (``decode_mm``), per weight
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ MAGIC_F = tl.constexpr(8388608.0)
 E2M1_SCALE = tl.constexpr(16384.0)  # the fp16-bits trick yields E2M1 values divided by 2**14
 
 FP8 = (torch.float8_e4m3fn,)
+# inline PTX cannot run in Triton's CPU interpreter: the kernels then use plain operations
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 VALUE_CODES = {"uint": 0, "int": 1, "fp8": 2, "e2m1": 3}
 ZERO_CODES = {"": 0, "const": 1, "int": 2, "float": 3, "packed": 4}
 
@@ -193,7 +196,266 @@ def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, 
 
 
 @triton.jit
+def _move(w, FROM: tl.constexpr, TO: tl.constexpr):
+    """``w`` shifted so that bit FROM lands on bit TO."""
+    if TO > FROM:
+        return w << (TO - FROM)
+    elif TO < FROM:
+        return w >> (FROM - TO)
+    else:
+        return w
+
+
+@triton.jit
+def _int_value(w, hi, SHIFT: tl.constexpr, VALUE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The integer field at SHIFT of every word as fp32, offset removed (a signed byte's +128 included).
+
+    The field is OR-ed, still at its bit position E, into the mantissa of 2**(23 - E), whose last bit is
+    worth 2**-E: the float is 2**(23 - E) + field exactly, with no shift and no convert instruction.
+    Fields that would reach the exponent bits are read from ``hi = w >> 12``. One subtraction follows."""
+    LOW: tl.constexpr = SHIFT + BITS <= 23
+    E: tl.constexpr = SHIFT if LOW else SHIFT - 12
+    if LOW:
+        src = w
+    else:
+        src = hi
+    f = _and_or(src, ((1 << BITS) - 1) << E, (150 - E) << 23, ASM).to(tl.float32, bitcast=True)
+    OFF: tl.constexpr = 128.0 if VALUE == 1 else 0.0
+    return f - (8388608.0 / (1 << E) + OFF)
+
+
+@triton.jit
+def _and_or(w, AND: tl.constexpr, OR: tl.constexpr, ASM: tl.constexpr):
+    """``(w & AND) | OR`` as one LOP3 (ptxas emits two when both constants are immediates)."""
+    if ASM:
+        return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {AND}, {OR}, 0xEA;", "=r,r", [w], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return (w & AND) | OR
+
+
+@triton.jit
+def _e2m1_value(w, SHIFT: tl.constexpr):
+    """The E2M1 field at SHIFT of every word as fp32, divided by 2**14: its exponent and mantissa go to
+    an fp16's bits 9..11 and its sign to bit 15."""
+    h = (_move(w, SHIFT, 9) & 0x0E00) | (_move(w, SHIFT + 3, 15) & 0x8000)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_pair(w, F: tl.constexpr):
+    """E2M1 fields F and F + 4 of 32-bit words (bits 4F and 4F + 16) as two fp32 tensors, divided by
+    2**14: both are placed in one f16x2 register (4 instructions for 2 values), then widened."""
+    # a: exponent/mantissa bits moved to bits 9..11 (and 25..27); b: the sign bit moved to bit 15 (and 31)
+    if F == 3:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a; .reg .b16 l, u; shr.b32 a, $2, 3; and.b32 a, a, 0x0E000E00; "
+            "lop3.b32 a, $2, 0x80008000, a, 0xEA; mov.b32 {l, u}, a; cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
+            "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 a, b; .reg .b16 l, u; shl.b32 a, $2, {9 - 4 * F}; and.b32 a, a, 0x0E000E00; "
+            f"shl.b32 b, $2, {12 - 4 * F}; lop3.b32 a, b, 0x80008000, a, 0xEA; mov.b32 {{l, u}}, a; "
+            "cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
+            "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_quad(w):
+    """The four fp8 e4m3 bytes of 32-bit words (byte 0 first) as fp32: two f16x2 converts, then widens."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; .reg .b16 l, u, h0, h1, h2, h3; mov.b32 {l, u}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
+        "cvt.rn.f16x2.e4m3x2 b, u; mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; cvt.f32.f16 $0, h0; "
+        "cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
+        "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_at(x_row, kbase, J: tl.constexpr, stride_xk, K, EVEN: tl.constexpr):
+    """x[kbase + J] as fp32 ([BKW]: one k per word row)."""
+    if EVEN:
+        return tl.load(x_row + (kbase + J) * stride_xk).to(tl.float32)
+    else:
+        return tl.load(x_row + (kbase + J) * stride_xk, mask=kbase + J < K, other=0).to(tl.float32)
+
+
+@triton.jit
+def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.constexpr, VALUE: tl.constexpr,
+              BITS: tl.constexpr, ZERO: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    """``(sum_f value_f * x[k_f], sum_f x[k_f])`` over the P fields of every word ([BKW, BLOCK_N] and
+    [BKW]); field f (bits [f * BITS, (f + 1) * BITS)) holds k = word * P + ((KPOS >> 4 f) & 15). The sum
+    of x is only formed for zero points. Offsets are removed; E2M1 values come out divided by 2**14."""
+    part = tl.zeros(words.shape, dtype=tl.float32)
+    xsum = tl.zeros((words.shape[0],), dtype=tl.float32)
+    if VALUE == 3 and ASM and P == 8:  # E2M1, fields paired into f16x2 registers
+        for f in tl.static_range(4):
+            lo, up = _e2m1_pair(words, f)
+            part += lo * _x_at(x_row, kbase, (KPOS >> (4 * f)) & 15, stride_xk, K, EVEN)[:, None]
+            part += up * _x_at(x_row, kbase, (KPOS >> (4 * f + 16)) & 15, stride_xk, K, EVEN)[:, None]
+    elif VALUE == 2 and ASM and P == 4:  # fp8 bytes of an int32 word, converted two at a time
+        v0, v1, v2, v3 = _fp8_quad(words)
+        part += v0 * _x_at(x_row, kbase, KPOS & 15, stride_xk, K, EVEN)[:, None]
+        part += v1 * _x_at(x_row, kbase, (KPOS >> 4) & 15, stride_xk, K, EVEN)[:, None]
+        part += v2 * _x_at(x_row, kbase, (KPOS >> 8) & 15, stride_xk, K, EVEN)[:, None]
+        part += v3 * _x_at(x_row, kbase, (KPOS >> 12) & 15, stride_xk, K, EVEN)[:, None]
+    else:
+        hi = words >> 12
+        for f in tl.static_range(P):
+            xj = _x_at(x_row, kbase, (KPOS >> (4 * f)) & 15, stride_xk, K, EVEN)
+            if VALUE == 2:  # fp8: bytes, or one byte of an int32 word
+                w = words
+                if words.dtype == tl.int32:
+                    w = ((words >> (f * BITS)) & 255).to(tl.uint8)
+                v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            elif VALUE == 3:
+                v = _e2m1_value(words, f * BITS)
+            else:
+                v = _int_value(words, hi, f * BITS, VALUE, BITS, ASM)
+            part += v * xj[:, None]
+            if ZERO != 0:
+                xsum += xj
+    return part, xsum
+
+
+@triton.jit
+def _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
+                 stride_on, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A GEMV program's epilogue. Split K: every program writes its fp32 partial row to ``ws``
+    ([SPLIT_K, M, N]) and counts itself in; the last of a column tile's SPLIT_K programs sums the
+    partials in split order (deterministic), finishes the row and resets the counter for the next
+    launch. One launch, no reduction kernel."""
+    nmask = offs_n < N
+    if SPLIT_K > 1:
+        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, out, mask=nmask)
+        tl.debug_barrier()  # every thread's partial is written before the count (release below)
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            out = tl.zeros_like(out)
+            for s in range(SPLIT_K):  # L2 reads (.cg): the partials were written by other SMs
+                out += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=nmask, other=0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, stride_on, HAS_GLOBAL,
+                           HAS_BIAS)
+    else:
+        _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, stride_on, HAS_GLOBAL, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, stride_on,
+                   HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Global scale, bias, store of the finished row."""
+    if HAS_GLOBAL:
+        out = out * tl.load(g_ptr).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n * stride_on, out.to(out_ptr.dtype.element_ty),
+             mask=offs_n < N)
+
+
+@triton.jit
+def _zero_of(z_ptr, kz, n, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+             ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr, szk, szn):
+    """The zero point (plus its constant offset) of the group holding [kz, n], as fp32."""
+    if ZERO == 1:
+        return tl.zeros(n.shape, dtype=tl.float32) + ZERO_VALUE
+    elif ZERO == 4:  # packed ZPW per word along n
+        zw = tl.load(z_ptr + (kz // GK) * szk + (n // (GN * ZPW)) * szn, mask=mask, other=0)
+        z = _field(zw, ((ZORDER >> (4 * ((n // GN) % ZPW))) & 15) * BITS, BITS)
+        return z.to(tl.float32) + ZERO_VALUE
+    else:
+        return _group_load(z_ptr, kz, n, mask, GK, GN, szk, szn).to(tl.float32) + ZERO_VALUE
+
+
+@triton.jit
+def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(qp + kw[:, None] * sqk + n * sqn)
+    else:
+        return tl.load(qp + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & nmask, other=0)
+
+
+@triton.jit
 def packed_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KW,
+    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
+    BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+    PREFETCH: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
+
+    The tile is ``[BLOCK_K / P, BLOCK_N]`` words and every step stays in the layout the words were loaded
+    in (no trip through shared memory): each field of all words at once multiplies its k's x, a
+    per-row vector broadcast along the thread's columns, so x is loaded and converted once per k for all
+    the columns a thread holds. Per word: ``sum_f q_f x_f - z * sum_f x_f``, times the scale (a word's
+    values share one group: GK % P == 0; whole-tile groups load one scale row). Without VEC_K,
+    K-contiguous words are read one per thread so that a thread holds several columns (x reuse) rather
+    than several words of one column. PREFETCH loads the next tile's words before decoding this one.
+    EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    BKW: tl.constexpr = BLOCK_K // P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = offs_n[None, :]
+    nmask = n < N
+    PER_TILE: tl.constexpr = GK % BLOCK_K == 0  # one scale row per tile
+    t0, t1 = _k_tiles(pid_k, K, BLOCK_K, SPLIT_K)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    if WORD_I32:
+        qp = q_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        qp = q_ptr
+    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    ar = tl.arange(0, BKW)
+    if not VEC_K:
+        ar = tl.max_contiguous(ar, 1)
+    if PREFETCH:  # masked: a split can be empty
+        nxt = _load_words(qp, t0 * BKW + ar, n, sqk, sqn, KW, nmask & (t0 < t1), False)
+    for t in range(t0, t1):
+        kw = t * BKW + ar
+        if PREFETCH:
+            words = nxt
+            nxt = _load_words(qp, kw + BKW, n, sqk, sqn, KW, nmask & (t + 1 < t1), False)
+        else:
+            words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN)
+        if VALUE != 2 or WORD_I32:
+            words = words.to(tl.int32)
+        if VALUE == 1:  # signed bytes read as byte + 128: flip every byte's sign bit once per word
+            if P == 1:
+                words = words + 128
+            else:
+                words = words ^ -2139062144  # 0x80808080
+        kbase = kw * P
+        part, xsum = _word_dot(words, x_row, kbase, stride_xk, K, KPOS, P, VALUE, BITS, ZERO, ASM, EVEN)
+        if PER_TILE:
+            kz = t * BLOCK_K + tl.zeros((1, 1), dtype=tl.int32)
+            zmask = nmask
+        else:
+            kz = kbase[:, None]
+            zmask = (kw[:, None] < KW) & nmask
+        if EVEN:  # constant-true masks fold away
+            zmask = tl.full(zmask.shape, 1, tl.int1)
+        if ZERO != 0:
+            part -= _zero_of(z_ptr, kz, n, zmask, ZERO, ZERO_VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn) \
+                * xsum[:, None]
+        if SCALE != 0:
+            acc += part * _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+        else:
+            acc += part
+    out = tl.sum(acc, axis=0)
+    if VALUE == 3:
+        out = out * E2M1_SCALE
+    _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
+                 stride_on, HAS_GLOBAL, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def packed_gemv3d_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K, KW,
     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
@@ -394,6 +656,9 @@ class PackedGemv:
     SPLIT_K: int
     num_warps: int
     num_stages: int = 3
+    vec_k: bool = False  # K-contiguous words: vector loads along K (else one word per thread, x reused)
+    prefetch: bool = False  # load the next tile's words before decoding this one
+    v3d: bool = False  # TEMP A/B: the previous 3-D kernel
 
 
 @dataclass(frozen=True)
@@ -491,12 +756,62 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
          workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice)."""
     M = x.shape[0]
+    if lay.pack_axis == "N" or cfg.v3d:
+        return _gemv_old(x, leaves, lay, K, N, cfg, bias, workspace)
+    word_i32, p, order = _words(lay, leaves[lay.code])
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
+    tiles_n = triton.cdiv(N, cfg.BLOCK_N)
+    if cfg.SPLIT_K > 1:
+        ws = workspace if workspace is not None else \
+            torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=torch.float32)
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        cnt = _split_counters(x.device, M * tiles_n)
+    else:
+        out = workspace[0] if workspace is not None else torch.empty((M, N), device=x.device, dtype=x.dtype)
+        ws = cnt = out
+    has_bias = bias is not None
+    packed_gemv_kernel[(tiles_n, cfg.SPLIT_K, M)](
+        x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
+        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
+        P=p, KPOS=_encode(_inverse(order)), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, PREFETCH=cfg.prefetch, ASM=not _INTERPRET,
+        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+    return out
+
+
+_COUNTERS: dict = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the split-K GEMV's in-kernel reduction, one per (row, column tile).
+    Kept per device: every launch leaves them at zero again. Allocated outside CUDA-graph capture by
+    the first (warm-up) call of a shape. Two split-K GEMVs running concurrently on different streams
+    of one device would share them: fusekern's ops run on the current stream only."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _inverse(order) -> tuple:
+    """Field -> position along K, from position -> field."""
+    inv = [0] * len(order)
+    for j, f in enumerate(order):
+        inv[f] = j
+    return tuple(inv)
+
+
+def _gemv_old(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
+              workspace: torch.Tensor | None = None) -> torch.Tensor:
+    M = x.shape[0]
     if lay.pack_axis == "N":
         word_i32, p, order = False, lay.per_word, lay.order
         kernel = packed_gemv_n_kernel
     else:
         word_i32, p, order = _words(lay, leaves[lay.code])
-        kernel = packed_gemv_kernel
+        kernel = packed_gemv3d_kernel
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
     out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
@@ -649,9 +964,17 @@ def aot_builds():
                 if isinstance(cfg, PackedGemv):
                     if word_i32:
                         args.update(KW=kw // 4, sqn=args["sqn"] // 4)
-                    kernel = packed_gemv_n_kernel if lay.pack_axis == "N" else packed_gemv_kernel
-                    ce = dict(consts, P=p, ORDER=_encode(order), WORD_I32=word_i32, HAS_BIAS=False,
+                    ce = dict(consts, P=p, WORD_I32=word_i32, HAS_BIAS=False,
                               SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+                    if lay.pack_axis == "N":
+                        kernel = packed_gemv_n_kernel
+                        ce.update(ORDER=_encode(order))
+                    else:
+                        kernel = packed_gemv_kernel
+                        args = {k: v for k, v in args.items() if k != "stride_os"}
+                        args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+                        ce.update(KPOS=_encode(_inverse(order)), VEC_K=cfg.vec_k, PREFETCH=cfg.prefetch, ASM=True,
+                                  EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0)
                     label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
                     kname = "packed_gemv"
                 else:
