@@ -31,27 +31,23 @@ from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 BW = 4.3e12
 
 
-def gemv_configs(M, N, K, lay, old):
-    """The GEMV grid: column tile x split x prefetch (K tiles no longer than a scale group when the
-    words are not N-contiguous: a [BKW, BN] scale tile then keeps the words' layout)."""
+def gemv_configs(M, N, K, lay):
+    """The GEMV grid: column tile x warps x split (benchmarks/results/h200/gemv_sweep.csv; its rows
+    with v3d=True are the previous kernel and prefetch=True a variant that did not help, both gone)."""
     out = []
     for bk in (128, 256) if lay.group_k >= 256 else (128,):
         for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)):
-            for sk in (1, 2, 4, 8):
-                for pf in (False, True):
-                    out.append(pm.PackedGemv(bn, bk, sk, w, prefetch=pf))
-    if lay.pack_axis == "K" or lay.pack_axis == "":
-        out.append(pm.PackedGemv(64, 128, 4, 4, vec_k=True))
-    if old:  # the previous kernel's best configs (benchmarks/results/h200/packed_mm_sweep.csv)
-        out += [pm.PackedGemv(32, 512, 1, 4, v3d=True), pm.PackedGemv(32, 256, 3, 2, v3d=True),
-                pm.PackedGemv(512, 128, 9, 8, v3d=True)]
+            for sk in (1, 2, 4, 8, 16):
+                out.append(pm.PackedGemv(bn, bk, sk, w))
+                if lay.bits == 8:
+                    out.append(pm.PackedGemv(bn, bk, sk, w, vec_k=True))
     return out
 
 
-def configs(M, N, K, lay, gemv2=False, old=False):
+def configs(M, N, K, lay, gemv2=False):
     out = []
     if M <= 4 and gemv2:
-        out += gemv_configs(M, N, K, lay, old)
+        out += gemv_configs(M, N, K, lay)
     elif M <= 4:
         for bn, bk, w in ((64, 256, 4), (128, 128, 4), (32, 512, 4), (128, 256, 8), (256, 128, 8), (64, 512, 8),
                           (32, 256, 2), (64, 128, 2), (128, 512, 8), (256, 256, 8), (64, 64, 4), (32, 128, 4),
@@ -82,8 +78,7 @@ def main():
     ap.add_argument("--formats", default="gptq,int4_k_stack,awq,mxfp4,nvfp4,fp8_channel,int8_channel")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--nk", type=int, default=8192)
-    ap.add_argument("--gemv2", action="store_true", help="the GEMV grid (split, prefetch) instead of the tile sweep")
-    ap.add_argument("--old", action="store_true", help="with --gemv2: also the previous GEMV's best configs")
+    ap.add_argument("--gemv2", action="store_true", help="the GEMV grid (tile, warps, split) instead of the tile sweep")
     args = ap.parse_args()
     N = K = args.nk
     info = versions()
@@ -107,7 +102,7 @@ def main():
             ref = (x.double() @ w_ref).float()
             floor = (leaf_bytes + 2 * M * (K + N)) / BW * 1e6
             best = None
-            for cfg in configs(M, N, K, lay, args.gemv2, args.old):
+            for cfg in configs(M, N, K, lay, args.gemv2):
                 err, us = check_and_time(
                     lambda: dm.decode_mm_triton(x, leaves, text, config=cfg, layout=lay.to_text()), ref, rep=30)
                 ok = isinstance(us, float)

@@ -111,7 +111,7 @@ def test_unsigned_byte_wraparound_is_not_taken_for_a_subtraction():
 
 
 def configs(lay, M):
-    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, prefetch=True), pm.PackedDequant(64, 64)]
+    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
     if M > 1:
         out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
     return [c for c in out if pm.fits(lay, c)]

@@ -111,16 +111,22 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
     for a few rows, swap-AB tensor-core tiles up to 64 rows, and their decode + cuBLAS at any M."""
     out = []
     if M <= PACKED_GEMV_M_MAX:
-        # Narrow column tiles and many programs won on the H200 (benchmarks/results/h200/packed_mm_sweep.csv,
-        # N = K = 8192, 72 configs x 6 formats): the first one was within 6% of the best on every format.
-        wide = lay.pack_axis != "N" and pm._words(lay)[1] >= 4
-        tiles_ = ((32, 256, 2, 4), (32, 512, 4, 4), (32, 512, 4, 1), (512, 128, 8, 1), (64, 128, 2, 4)) if wide else \
-            ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 64, 2, 4))
-        for bn, bk, warps, per_sm in tiles_:
-            if bn == 512 and lay.value == "fp8":  # fp8's byte-to-float path spills this tile (Triton 3.9)
-                continue
-            tiles = triton.cdiv(N, bn)
-            out.append(pm.PackedGemv(bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms, per_sm), warps))
+        if lay.pack_axis == "N":
+            # packed along N (AWQ): narrow column tiles and many programs won on the H200
+            # (benchmarks/results/h200/packed_mm_sweep.csv, N = K = 8192)
+            for bn, bk, warps, per_sm in ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 64, 2, 4)):
+                out.append(pm.PackedGemv(bn, bk, _split_k(triton.cdiv(N, bn), triton.cdiv(K, bk), sms, per_sm),
+                                         warps))
+        else:
+            # K tiles of 128 and 4-8 programs per SM (split K, reduced in the kernel) won on every format
+            # (benchmarks/results/h200/gemv_sweep.csv, N = K = 8192: 56 configs x 6 formats); these five
+            # were within 8% of each format's best.
+            for bn, warps, per_sm, vec_k in ((64, 4, 8, False), (64, 4, 4, False), (128, 8, 8, False),
+                                             (32, 4, 4, False), (64, 4, 4, True)):
+                if vec_k and not (lay.bits == 8 and lay.code_dims[-1] == "k"):
+                    continue  # vector loads along K won only for 1-byte codes contiguous along K
+                sk = _split_k(triton.cdiv(N, bn), triton.cdiv(K, 128), sms, per_sm)
+                out.append(pm.PackedGemv(bn, 128, sk, warps, vec_k=vec_k))
     if 1 < M <= 64:
         bm = max(16, triton.next_power_of_2(M))
         for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):

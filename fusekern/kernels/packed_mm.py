@@ -235,6 +235,21 @@ def _and_or(w, AND: tl.constexpr, OR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _int_biased(w, SHIFT: tl.constexpr, BITS: tl.constexpr, XMANT: tl.constexpr, ASM: tl.constexpr):
+    """The integer field at SHIFT of every word as the fp32 ``2**(23 - E) + field``, and that bias: the
+    field is moved to bit E and OR-ed into the mantissa of 2**(23 - E). 4-bit fields go to bit 15 or
+    19 (one shift per pair of fields); bytes to bit 8 when x's mantissa allows it (one PRMT: the byte
+    and 2**15's exponent byte, picked by a selector), else to bit 15."""
+    E: tl.constexpr = (15 + SHIFT % 8) if BITS == 4 else (8 if XMANT <= 8 else 15)
+    if ASM and BITS == 8 and E == 8:
+        v = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, 71, {0x4505 + (SHIFT // 8) * 16};", "=r,r", [w],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        v = _and_or(_move(w, SHIFT, E), ((1 << BITS) - 1) << E, (150 - E) << 23, ASM)
+    return v.to(tl.float32, bitcast=True), 8388608.0 / (1 << E)
+
+
+@triton.jit
 def _e2m1_value(w, SHIFT: tl.constexpr):
     """The E2M1 field at SHIFT of every word as fp32, divided by 2**14: its exponent and mantissa go to
     an fp16's bits 9..11 and its sign to bit 15."""
@@ -281,10 +296,11 @@ def _x_at(x_row, kbase, J: tl.constexpr, stride_xk, K, EVEN: tl.constexpr):
 
 @triton.jit
 def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.constexpr, VALUE: tl.constexpr,
-              BITS: tl.constexpr, ZERO: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+              BITS: tl.constexpr, ZERO: tl.constexpr, XMANT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
     """``(sum_f value_f * x[k_f], sum_f x[k_f])`` over the P fields of every word ([BKW, BLOCK_N] and
     [BKW]); field f (bits [f * BITS, (f + 1) * BITS)) holds k = word * P + ((KPOS >> 4 f) & 15). The sum
-    of x is only formed for zero points. Offsets are removed; E2M1 values come out divided by 2**14."""
+    of x is formed for zero points. Offsets are removed; E2M1 values come out divided by 2**14. XMANT:
+    x's significant bits (8 bf16, 11 fp16, 0 for fp32: products then need exact operands)."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     xsum = tl.zeros((words.shape[0],), dtype=tl.float32)
     if VALUE == 3 and ASM and P == 8:  # E2M1, fields paired into f16x2 registers
@@ -292,6 +308,21 @@ def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.const
             lo, up = _e2m1_pair(words, f)
             part += lo * _x_at(x_row, kbase, (KPOS >> (4 * f)) & 15, stride_xk, K, EVEN)[:, None]
             part += up * _x_at(x_row, kbase, (KPOS >> (4 * f + 16)) & 15, stride_xk, K, EVEN)[:, None]
+    elif VALUE <= 1 and XMANT > 0 and P > 1 and (BITS == 4 or BITS == 8):
+        # Integers, with x in 16 bits: FMA the biased float 2**(23 - E) + q straight into the sum (no
+        # subtraction per value) and remove sum_f 2**(23 - E) x_f per word row afterwards. Exact products:
+        # the float has 24 - E significant bits and x XMANT, so E >= XMANT keeps them within fp32's 24.
+        # A large E keeps the bias small next to q (2**(23 - E) / q), so the subtraction loses little.
+        csum = tl.zeros((words.shape[0],), dtype=tl.float32)
+        for f in tl.static_range(P):
+            xj = _x_at(x_row, kbase, (KPOS >> (4 * f)) & 15, stride_xk, K, EVEN)
+            v, bias = _int_biased(words, f * BITS, BITS, XMANT, ASM)
+            part += v * xj[:, None]
+            csum += xj * bias
+            xsum += xj
+        if VALUE == 1:  # a signed byte was read as byte + 128
+            csum += 128.0 * xsum
+        part -= csum[:, None]
     elif VALUE == 2 and ASM and P == 4:  # fp8 bytes of an int32 word, converted two at a time
         v0, v1, v2, v3 = _fp8_quad(words)
         part += v0 * _x_at(x_row, kbase, KPOS & 15, stride_xk, K, EVEN)[:, None]
@@ -384,7 +415,7 @@ def packed_gemv_kernel(
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    PREFETCH: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
 
@@ -394,12 +425,14 @@ def packed_gemv_kernel(
     the columns a thread holds. Per word: ``sum_f q_f x_f - z * sum_f x_f``, times the scale (a word's
     values share one group: GK % P == 0; whole-tile groups load one scale row). Without VEC_K,
     K-contiguous words are read one per thread so that a thread holds several columns (x reuse) rather
-    than several words of one column. PREFETCH loads the next tile's words before decoding this one.
-    EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks."""
+    than several words of one column. (Loading the next tile's words before decoding this one did not
+    help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
     BKW: tl.constexpr = BLOCK_K // P
+    XMANT: tl.constexpr = 8 if x_ptr.dtype.element_ty == tl.bfloat16 else (
+        11 if x_ptr.dtype.element_ty == tl.float16 else 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n = offs_n[None, :]
     nmask = n < N
@@ -414,15 +447,9 @@ def packed_gemv_kernel(
     ar = tl.arange(0, BKW)
     if not VEC_K:
         ar = tl.max_contiguous(ar, 1)
-    if PREFETCH:  # masked: a split can be empty
-        nxt = _load_words(qp, t0 * BKW + ar, n, sqk, sqn, KW, nmask & (t0 < t1), False)
     for t in range(t0, t1):
         kw = t * BKW + ar
-        if PREFETCH:
-            words = nxt
-            nxt = _load_words(qp, kw + BKW, n, sqk, sqn, KW, nmask & (t + 1 < t1), False)
-        else:
-            words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN)
+        words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN)
         if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
         if VALUE == 1:  # signed bytes read as byte + 128: flip every byte's sign bit once per word
@@ -431,7 +458,7 @@ def packed_gemv_kernel(
             else:
                 words = words ^ -2139062144  # 0x80808080
         kbase = kw * P
-        part, xsum = _word_dot(words, x_row, kbase, stride_xk, K, KPOS, P, VALUE, BITS, ZERO, ASM, EVEN)
+        part, xsum = _word_dot(words, x_row, kbase, stride_xk, K, KPOS, P, VALUE, BITS, ZERO, XMANT, ASM, EVEN)
         if PER_TILE:
             kz = t * BLOCK_K + tl.zeros((1, 1), dtype=tl.int32)
             zmask = nmask
@@ -452,87 +479,6 @@ def packed_gemv_kernel(
         out = out * E2M1_SCALE
     _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
                  stride_on, HAS_GLOBAL, HAS_BIAS, SPLIT_K)
-
-
-@triton.jit
-def packed_gemv3d_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
-    M, N, K, KW,
-    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_os, stride_om, stride_on,
-    BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
-    ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
-    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
-
-    The tile is ``[BLOCK_K / P, BLOCK_N]`` words; value j of every word multiplies x[k = word * P + j].
-    Products accumulate per (word, n) and are reduced once after the loop. The scale multiplies a word's
-    P-value partial sum (every value of a word shares its group: GK % P == 0)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
-    BKW: tl.constexpr = BLOCK_K // P
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n = offs_n[None, :]
-    nmask = n < N
-    PER_TILE: tl.constexpr = GK % BLOCK_K == 0  # one scale row per tile
-    t0, t1 = _k_tiles(pid_k, K, BLOCK_K, SPLIT_K)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    if WORD_I32:
-        qp = q_ptr.to(tl.pointer_type(tl.int32))
-    else:
-        qp = q_ptr
-    # Zero points of whole-tile groups are applied once per tile: sum_k (q - z) x = sum_k q x - z sum_k x,
-    # so the per-value work is extract, offset, multiply-add, and the zero row never meets the tile
-    # (mixing the two layouts made Triton convert the tile through shared memory for every value).
-    ZERO_PER_TILE: tl.constexpr = PER_TILE and ZERO != 0
-    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-    accz = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for t in range(t0, t1):
-        k0 = t * BLOCK_K
-        kw = t * BKW + tl.arange(0, BKW)
-        wmask = (kw[:, None] < KW) & nmask
-        words = tl.load(qp + kw[:, None] * sqk + n * sqn, mask=wmask, other=0)
-        if VALUE != 2 or WORD_I32:
-            words = words.to(tl.int32)
-        if PER_TILE:
-            kz = k0 + tl.zeros((1, 1), dtype=tl.int32)
-            zmask = nmask
-        else:
-            kz = kw[:, None] * P
-            zmask = wmask
-        # All P values of each word at once: [BKW, P, BLOCK_N] with P inside each thread, so the word is
-        # loaded once, x is one vector load of P values per word row, and the sum over P stays in registers.
-        pos = tl.arange(0, P)
-        kj = kw[:, None, None] * P + pos[None, :, None]
-        x3 = tl.load(x_row + kj * stride_xk, mask=kj < K, other=0).to(tl.float32)  # [BKW, P, 1]
-        if P == 1 and VALUE == 1:
-            v = ((words[:, None, :] + 128) | 0x4B000000).to(tl.float32, bitcast=True)
-        else:
-            v = _value(words[:, None, :], ((ORDER >> (4 * pos[None, :, None])) & 15) * BITS, VALUE, BITS)
-        if ZERO_PER_TILE:
-            v = v - _offset(VALUE)
-            xsum = tl.sum(tl.sum(x3, axis=2), axis=1)
-        else:
-            v = _zero_sub(v, z_ptr, kz[:, None, :], n[:, None, :], zmask[:, None, :], ZERO, ZERO_VALUE, VALUE,
-                          GK, GN, ZPW, ZORDER, BITS, szk, szn)
-        part = tl.sum(v * x3, axis=1)  # [BKW, BLOCK_N]
-        if SCALE != 0:
-            s = _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
-            part = part * s
-        acc += part
-        if ZERO_PER_TILE:
-            z = _zero_sub(tl.zeros((1, BLOCK_N), dtype=tl.float32) + _offset(VALUE), z_ptr, kz, n, zmask, ZERO,
-                          ZERO_VALUE, VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)  # = -zero
-            if SCALE != 0:
-                z = z * s
-            accz += tl.sum(z * tl.sum(xsum, axis=0), axis=0)
-    out = tl.sum(acc, axis=0) + accz
-    if VALUE == 3:
-        out = out * E2M1_SCALE
-    _gemv_store(out, g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, stride_om, stride_on,
-                HAS_GLOBAL, HAS_BIAS)
 
 
 @triton.jit
@@ -657,8 +603,6 @@ class PackedGemv:
     num_warps: int
     num_stages: int = 3
     vec_k: bool = False  # K-contiguous words: vector loads along K (else one word per thread, x reused)
-    prefetch: bool = False  # load the next tile's words before decoding this one
-    v3d: bool = False  # TEMP A/B: the previous 3-D kernel
 
 
 @dataclass(frozen=True)
@@ -756,8 +700,8 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
          workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice)."""
     M = x.shape[0]
-    if lay.pack_axis == "N" or cfg.v3d:
-        return _gemv_old(x, leaves, lay, K, N, cfg, bias, workspace)
+    if lay.pack_axis == "N":
+        return _gemv_n(x, leaves, lay, K, N, cfg, bias, workspace)
     word_i32, p, order = _words(lay, leaves[lay.code])
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
     tiles_n = triton.cdiv(N, cfg.BLOCK_N)
@@ -774,7 +718,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
         P=p, KPOS=_encode(_inverse(order)), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
-        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, PREFETCH=cfg.prefetch, ASM=not _INTERPRET,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return out
@@ -803,23 +747,17 @@ def _inverse(order) -> tuple:
     return tuple(inv)
 
 
-def _gemv_old(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
-              workspace: torch.Tensor | None = None) -> torch.Tensor:
+def _gemv_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
+            workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV for weights packed along N: split-K partial sums reduced after the kernel."""
     M = x.shape[0]
-    if lay.pack_axis == "N":
-        word_i32, p, order = False, lay.per_word, lay.order
-        kernel = packed_gemv_n_kernel
-    else:
-        word_i32, p, order = _words(lay, leaves[lay.code])
-        kernel = packed_gemv3d_kernel
-    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
-    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)
-    kernel[grid](
+    packed_gemv_n_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)](
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
-        P=p, ORDER=_encode(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+        P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
 
@@ -973,7 +911,7 @@ def aot_builds():
                         kernel = packed_gemv_kernel
                         args = {k: v for k, v in args.items() if k != "stride_os"}
                         args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
-                        ce.update(KPOS=_encode(_inverse(order)), VEC_K=cfg.vec_k, PREFETCH=cfg.prefetch, ASM=True,
+                        ce.update(KPOS=_encode(_inverse(order)), VEC_K=cfg.vec_k, ASM=True,
                                   EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0)
                     label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
                     kname = "packed_gemv"
