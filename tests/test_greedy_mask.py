@@ -141,6 +141,8 @@ def test_kernel_matches_reference(dtype):
     x[5, :] = x[5, 0]                           # all tied: the first unbanned token
     ids = torch.randint(-V, V, (B, 5), device=DEVICE)  # negative ids count from the end
     ids[5, 0] = 0
+    ids[:3, 1] = x[:3].float().argmax(-1)  # banned winners: the chunk is searched again without them
+    ids[3, 2] = 11 - V                     # a banned NaN (negative id) does not win
     mask = torch.rand(B, V, device=DEVICE) < 0.25
     T = (torch.rand(B, 1) + 0.5).to(dtype).to(DEVICE)
     wide = torch.empty(B, 2 * V, dtype=dtype, device=DEVICE)[:, ::2]  # strided logits: copied first
@@ -149,10 +151,10 @@ def test_kernel_matches_reference(dtype):
         for T_, b, m in ((None, ids, None), (0.7, None, mask[:, :logits.shape[1]]), (T, ids, None),
                          (T, None, mask[0, :logits.shape[1]]), (0.9, ids[0], None), (None, ids, mask[:, :logits.shape[1]])):
             b_ = None if b is None else torch.where(b.abs() < logits.shape[1], b, 0)
-            for block in (512, 4096):
-                got = ma.masked_argmax_triton(logits, T_, b_, m, block=block)
+            for block, split in ((512, 3), (4096, 1), (256, None)):  # rows split over programs, or not
+                got = ma.masked_argmax_triton(logits, T_, b_, m, block=block, split=split)
                 want = ma.masked_argmax_reference(logits, T_, b_, m)
-                assert torch.equal(got.cpu(), want.cpu()), (T_ is None, b is None, m is None, block)
+                assert torch.equal(got.cpu(), want.cpu()), (T_ is None, b is None, m is None, block, split)
 
 
 def test_kernel_registers_and_report():

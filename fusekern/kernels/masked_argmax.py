@@ -2,7 +2,7 @@
 
 The original graph (issue 5, pattern 4) copies the logits, divides by the temperature, writes ``-inf``
 onto the banned or draft tokens (``scatter``, ``x[:, ids] = -inf`` or ``masked_fill``) and takes the
-argmax. ``masked_argmax`` reads each logit once and keeps a running (value, index) per row.
+argmax. ``masked_argmax`` reads each logit once; at small batch a row is split over many programs.
 
 Semantics are the original graph's, run eagerly, bit for bit:
 - ``logits / T`` is divided in fp32 and rounded to the logits' dtype, as eager bf16 / fp16 division is
@@ -20,30 +20,28 @@ import torch
 import triton
 import triton.language as tl
 
-KERNEL_VERSION = "masked_argmax-1"
+from fusekern.kernels.split_counters import split_counters
+
+KERNEL_VERSION = "masked_argmax-2"
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def masked_argmax_kernel(
-    x_ptr, t_ptr, t_scalar, banned_ptr, mask_ptr, out_ptr,
-    V, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
-    HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    if T_TENSOR:
-        t = tl.load(t_ptr + row * stride_t).to(tl.float32)
-    else:
-        t = t_scalar
-    best_v = tl.full((), -float("inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int32)
-    nan_i = tl.full((), 0, tl.int32) + V
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < V
+def _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stride_bb, stride_bj, stride_mb,
+                  stride_mv, HAS_T: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
+                  DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """(max, its lowest index, the first NaN's index or V) of logits [lo, hi) after the temperature and
+    the masks. Every lane keeps a running best (strictly greater wins: lanes see increasing indices),
+    reduced across lanes once at the end. With HAS_BANNED each element is compared with every banned id
+    (the slow path: only for a chunk whose winner is banned)."""
+    lanes = tl.arange(0, BLOCK)
+    best_v = tl.full((BLOCK,), -float("inf"), tl.float32)
+    best_i = lo + lanes
+    nan_i = tl.full((BLOCK,), 0, tl.int32) + V
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        valid = offs < hi
         x = tl.load(x_row + offs, mask=valid, other=0).to(tl.float32)
         if HAS_T:  # correctly rounded fp32 division, then the logits' dtype: eager's rounding
             x = tl.math.div_rn(x, tl.zeros_like(x) + t).to(DTYPE).to(tl.float32)
@@ -53,23 +51,77 @@ def masked_argmax_kernel(
         if HAS_BANNED:
             for j in range(n_banned):
                 b = tl.load(banned_ptr + row * stride_bb + j * stride_bj).to(tl.int32)
-                b = tl.where(b < 0, b + V, b)
-                x = tl.where(offs == b, -float("inf"), x)
-        isnan = x != x
-        nan_i = tl.minimum(nan_i, tl.min(tl.where(isnan & valid, offs, V), axis=0))
-        x = tl.where(valid & ~isnan, x, -float("inf"))
-        v, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = v > best_v  # an equal value later in the row does not win: lowest index on ties
-        best_i = tl.where(better, start + i, best_i)
-        best_v = tl.where(better, v, best_v)
-    tl.store(out_ptr + row, tl.where(nan_i < V, nan_i, best_i).to(tl.int64))
+                x = tl.where(offs == tl.where(b < 0, b + V, b), -float("inf"), x)
+        nan_i = tl.minimum(nan_i, tl.where((x != x) & valid, offs, V))
+        better = (x > best_v) & valid  # NaN compares false; an equal later value does not win
+        best_v = tl.where(better, x, best_v)
+        best_i = tl.where(better, offs, best_i)
+    v = tl.max(best_v, axis=0)
+    i = tl.min(tl.where(best_v == v, best_i, 2147483647), axis=0)
+    return v, i, tl.min(nan_i, axis=0)
+
+
+@triton.jit
+def masked_argmax_kernel(
+    x_ptr, t_ptr, t_scalar, banned_ptr, mask_ptr, out_ptr, ws_v_ptr, ws_i_ptr, cnt_ptr,
+    V, CHUNK, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
+    HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Program (row, part) finds the argmax of the row's chunk [part * CHUNK, (part + 1) * CHUNK). With
+    SPLIT > 1 the last of a row's programs to finish combines the chunks in order (lower chunks win
+    ties, the first NaN wins), so a row spreads over many SMs at small batch in one launch."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    if T_TENSOR:
+        t = tl.load(t_ptr + row * stride_t).to(tl.float32)
+    else:
+        t = t_scalar
+    lo = part * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    # Banned ids are few: find the chunk's winner without them, and only if a banned id is that winner
+    # (or the first NaN) run the chunk again with every element compared against the ids.
+    v, i, nan_i = _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stride_bb, stride_bj,
+                                stride_mb, stride_mv, HAS_T, False, HAS_MASK, DTYPE, BLOCK)
+    if HAS_BANNED:
+        hit = i < 0  # False
+        for j in range(n_banned):
+            b = tl.load(banned_ptr + row * stride_bb + j * stride_bj).to(tl.int32)
+            b = tl.where(b < 0, b + V, b)
+            hit = hit | (b == i) | (b == nan_i)
+        if hit:
+            v, i, nan_i = _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stride_bb,
+                                        stride_bj, stride_mb, stride_mv, HAS_T, True, HAS_MASK, DTYPE, BLOCK)
+    if SPLIT == 1:
+        tl.store(out_ptr + row, tl.where(nan_i < V, nan_i, i).to(tl.int64))
+    else:
+        slot = row * SPLIT + part
+        tl.store(ws_v_ptr + slot, v)
+        tl.store(ws_i_ptr + 2 * slot, i)
+        tl.store(ws_i_ptr + 2 * slot + 1, nan_i)
+        tl.debug_barrier()  # the chunk's result is written before the count (release below)
+        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            best_v = tl.load(ws_v_ptr + row * SPLIT, cache_modifier=".cg")
+            best_i = tl.load(ws_i_ptr + 2 * row * SPLIT, cache_modifier=".cg")
+            first_nan = tl.load(ws_i_ptr + 2 * row * SPLIT + 1, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                vs = tl.load(ws_v_ptr + row * SPLIT + s, cache_modifier=".cg")
+                is_ = tl.load(ws_i_ptr + 2 * (row * SPLIT + s), cache_modifier=".cg")
+                first_nan = tl.minimum(first_nan, tl.load(ws_i_ptr + 2 * (row * SPLIT + s) + 1, cache_modifier=".cg"))
+                better = vs > best_v
+                best_i = tl.where(better, is_, best_i)
+                best_v = tl.where(better, vs, best_v)
+            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
+            tl.store(out_ptr + row, tl.where(first_nan < V, first_nan, best_i).to(tl.int64))
 
 
 def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
-                         mask: torch.Tensor | None = None, block: int = 4096) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
     value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
-    ``mask``: bool ``[B, V]`` or ``[V]``, True = banned."""
+    ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
+    about two per SM)."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -88,11 +140,24 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     else:
         m2, smb, smv = logits, 0, 0
     block = min(block, triton.next_power_of_2(V))
-    masked_argmax_kernel[(B,)](
+    blocks = triton.cdiv(V, block)
+    if split is None:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 132
+        split = triton.cdiv(2 * sms, max(B, 1))
+    split = max(1, min(split, blocks))
+    chunk = triton.cdiv(blocks, split) * block
+    split = triton.cdiv(V, chunk)  # no empty chunk
+    if split > 1:
+        ws_v = torch.empty(B * split, dtype=torch.float32, device=logits.device)
+        ws_i = torch.empty(2 * B * split, dtype=torch.int32, device=logits.device)
+        cnt = split_counters(logits.device, B)
+    else:
+        ws_v = ws_i = cnt = out
+    masked_argmax_kernel[(B, split)](
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
-        V, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
+        ws_v, ws_i, cnt, V, chunk, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
         HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
-        DTYPE=_TL[logits.dtype], BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT=split, num_warps=4,
     )
     return out
 
@@ -150,10 +215,11 @@ def aot_builds():
 
     V = 128256
     base = dict(x_ptr="*bf16", t_ptr="*bf16", t_scalar=1.0, banned_ptr="*i64", mask_ptr="*u8", out_ptr="*i64",
-                V=V, n_banned=8, stride_x=V, stride_t=1, stride_bb=8, stride_bj=1, stride_mb=V, stride_mv=1)
+                ws_v_ptr="*fp32", ws_i_ptr="*i32", cnt_ptr="*i32", V=V, CHUNK=4096, n_banned=8, stride_x=V,
+                stride_t=1, stride_bb=8, stride_bj=1, stride_mb=V, stride_mv=1)
     out = []
     for label, flags in (("T tensor + banned ids", dict(HAS_T=True, T_TENSOR=True, HAS_BANNED=True, HAS_MASK=False)),
                          ("T scalar + bool mask", dict(HAS_T=True, T_TENSOR=False, HAS_BANNED=False, HAS_MASK=True))):
-        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=4096 {label}", masked_argmax_kernel, base,
-                               dict(flags, DTYPE=tl.bfloat16, BLOCK=4096), 8, 3))
+        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 SPLIT=32 {label}", masked_argmax_kernel,
+                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT=32), 4, 3))
     return out

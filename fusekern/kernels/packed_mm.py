@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
 # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives the float 2**23 + it
@@ -709,7 +710,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         ws = workspace if workspace is not None else \
             torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=torch.float32)
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-        cnt = _split_counters(x.device, M * tiles_n)
+        cnt = split_counters(x.device, M * tiles_n)
     else:
         out = workspace[0] if workspace is not None else torch.empty((M, N), device=x.device, dtype=x.dtype)
         ws = cnt = out
@@ -722,21 +723,6 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return out
-
-
-_COUNTERS: dict = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the split-K GEMV's in-kernel reduction, one per (row, column tile).
-    Kept per device: every launch leaves them at zero again. Allocated outside CUDA-graph capture by
-    the first (warm-up) call of a shape. Two split-K GEMVs running concurrently on different streams
-    of one device would share them: fusekern's ops run on the current stream only."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def _inverse(order) -> tuple:

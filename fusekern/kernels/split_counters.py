@@ -1,0 +1,23 @@
+"""Zeroed int32 counters for kernels that finish a split reduction in the same launch.
+
+A kernel split over several programs (K slices of a GEMV, chunks of a row) writes each program's
+partial result, then counts itself in with an atomic add; the program that brings the count to the
+number of splits combines the partials in a fixed order (deterministic) and sets the counter back to
+zero for the next launch. One buffer per device: kernels on the current stream run one after another,
+so they can share it; two such kernels running concurrently on different streams of one device would
+not. The first (warm-up) call of a shape allocates it, before any CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import torch
+
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed counters on ``device``."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        _COUNTERS[device] = buf
+    return buf
