@@ -88,6 +88,27 @@ def packed_mm_sweep(rows: list[dict]) -> list[str]:
     return out
 
 
+def gemv_sweep(rows: list[dict]) -> list[str]:
+    """The fastest GEMV config per format and M, and the spread of the rest."""
+    return packed_mm_sweep(rows)
+
+
+def greedy_mask(rows: list[dict]) -> list[str]:
+    cols = [("eager", "eager"), ("stock", "stock compile"), ("fusekern", "fusekern")]
+    by: dict = {}
+    for r in rows:
+        by.setdefault(int(r["B"]), {})[r["variant"]] = r
+    out = ["| B | floor | " + " | ".join(c[1] for c in cols) + " | " + " | ".join(c[1] + " + CUDA graph" for c in cols)
+           + " | kernel alone (graph) | tokens equal |", "|---" * (2 * len(cols) + 4) + "|"]
+    for b, v in sorted(by.items()):
+        eq = all(r["tokens_equal"] == "True" for r in v.values())
+        out.append(f"| {b} | {float(v['kernel']['floor_us']):.2f} | "
+                   + " | ".join(_num(v[c]["median_us"]) for c, _ in cols) + " | "
+                   + " | ".join(_num(v[c]["cudagraph_us"]) for c, _ in cols)
+                   + f" | {_num(v['kernel']['cudagraph_us'])} | {'yes' if eq else 'NO'} |")
+    return out
+
+
 def e2e_decode(rows: list[dict]) -> list[str]:
     out = ["| scope | B | floor | eager | stock compile | fusekern | stock + CUDA graph | fusekern + CUDA graph "
            "| fusekern (graph) × floor |", "|---" * 9 + "|"]
@@ -103,7 +124,8 @@ def e2e_decode(rows: list[dict]) -> list[str]:
 
 
 TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
-          "packed_mm_sweep": packed_mm_sweep, "e2e_decode": e2e_decode}
+          "packed_mm_sweep": packed_mm_sweep, "gemv_sweep": gemv_sweep, "greedy_mask": greedy_mask,
+          "e2e_decode": e2e_decode}
 
 
 def render(name: str, results: str) -> list[str]:

@@ -40,6 +40,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
 from fusekern.patterns.decode.program import (
     B, CMP, FP8_DTYPES, K, N, DecodeProgram, Ref, container, is_int,
@@ -580,7 +581,12 @@ def module_for(text: str):
 # ----------------------------------------------------------------------------- launcher
 
 
-def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor | None) -> None:
+_LEAVES_OK = LeafCache()  # leaf sets already checked against a program (the checks run per token)
+
+
+def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor | None, text: str = "") -> None:
+    """Bad input gets a clear error. text: the program's text, to check a set of real leaf tensors once
+    (not given for fake tensors, which have no storage)."""
     want = 3 if prog.batch else 2
     if x.dim() != want:
         raise ValueError(f"decode_mm: x must be {want}-D, got shape {tuple(x.shape)}")
@@ -590,14 +596,24 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         raise ValueError(f"decode_mm: x is {x.dtype} but the decoded weight is {prog.dtype}")
     if len(leaves) != len(prog.leaves):
         raise ValueError(f"decode_mm: the program reads {len(prog.leaves)} leaves, got {len(leaves)}")
+    if not text:
+        _check_leaves(x, leaves, prog)
+    elif _LEAVES_OK.get((text, x.device), leaves) is None:
+        _check_leaves(x, leaves, prog)
+        if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, prog.leaves)):
+            raise ValueError("decode_mm_triton: leaf strides differ from the program's; use decode_mm")
+        _LEAVES_OK.put((text, x.device), leaves, True)
+    if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
+        raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
+
+
+def _check_leaves(x: torch.Tensor, leaves, prog: DecodeProgram) -> None:
     for i, (t, leaf) in enumerate(zip(leaves, prog.leaves)):
         if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
             raise ValueError(f"decode_mm: leaf {i} is {t.dtype}{list(t.shape)}, the program reads "
                              f"{leaf.dtype}{list(leaf.shape)}")
         if t.device != x.device:
             raise ValueError(f"decode_mm: leaf {i} is on {t.device}, x on {x.device}")
-    if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
-        raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
 
 
 _stages: dict = {}  # (program, config) -> the pipeline depth that fits in shared memory
@@ -626,9 +642,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     layout: a ``PackedLayout``'s text (a known format): its hand-tuned kernels become candidates.
     workspace: optional ``[SPLIT_K, batch, M, N]`` buffer the kernel writes (tests pass one full of NaN)."""
     prog = DecodeProgram.from_text(text)
-    _check_args(x, leaves, prog, bias)
-    if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, prog.leaves)):
-        raise ValueError("decode_mm_triton: leaf strides differ from the program's; use decode_mm")
+    _check_args(x, leaves, prog, bias, text)
     batched = prog.batch > 0
     x3 = x if batched else x.unsqueeze(0)
     Bt, M = x3.shape[0], x3.shape[1]

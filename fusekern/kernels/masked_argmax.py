@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.split_counters import split_counters
 
 KERNEL_VERSION = "masked_argmax-2"
@@ -142,8 +143,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     block = min(block, triton.next_power_of_2(V))
     blocks = triton.cdiv(V, block)
     if split is None:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 132
-        split = triton.cdiv(2 * sms, max(B, 1))
+        split = triton.cdiv(2 * sm_count(logits.device), max(B, 1))
     split = max(1, min(split, blocks))
     chunk = triton.cdiv(blocks, split) * block
     split = triton.cdiv(V, chunk)  # no empty chunk

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
@@ -667,8 +668,18 @@ def _strides(t: torch.Tensor | None, dims: tuple) -> tuple[int, int]:
     return sk, sn
 
 
+_ARGS = LeafCache()
+
+
 def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
-    """Pointer and stride arguments, and constexprs, shared by the launchers."""
+    """Pointer and stride arguments, and constexprs, shared by the launchers (built once per leaf set)."""
+    hit = _ARGS.get((lay, K, N, word_i32), leaves)
+    if hit is not None:
+        return hit
+    return _ARGS.put((lay, K, N, word_i32), leaves, _build_common(lay, leaves, K, N, word_i32))
+
+
+def _build_common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
     q = leaves[lay.code]
     s = leaves[lay.scale] if lay.scale >= 0 else None
     z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else None
@@ -703,8 +714,11 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
     M = x.shape[0]
     if lay.pack_axis == "N":
         return _gemv_n(x, leaves, lay, K, N, cfg, bias, workspace)
-    word_i32, p, order = _words(lay, leaves[lay.code])
-    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
+    args = _ARGS.get((lay, K, N, "gemv"), leaves)
+    if args is None:
+        word_i32, p, order = _words(lay, leaves[lay.code])
+        args = _ARGS.put((lay, K, N, "gemv"), leaves, (word_i32, p, _kpos(order), *_common(lay, leaves, K, N, word_i32)))
+    word_i32, p, kpos, ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = args
     tiles_n = triton.cdiv(N, cfg.BLOCK_N)
     if cfg.SPLIT_K > 1:
         ws = workspace if workspace is not None else \
@@ -718,11 +732,16 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
     packed_gemv_kernel[(tiles_n, cfg.SPLIT_K, M)](
         x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
-        P=p, KPOS=_encode(_inverse(order)), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+        P=p, KPOS=kpos, WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _kpos(order) -> int:
+    return _encode(_inverse(order))
 
 
 def _inverse(order) -> tuple:
