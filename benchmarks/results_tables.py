@@ -93,6 +93,18 @@ def gemv_sweep(rows: list[dict]) -> list[str]:
     return packed_mm_sweep(rows)
 
 
+def decode_mm_shapes(rows: list[dict]) -> list[str]:
+    """Issue 4's shapes: stock and fusekern under CUDA graphs against the floor."""
+    out = ["| format | N x K | M | floor | eager | stock compile | stock + CUDA graph | fusekern | "
+           "fusekern + CUDA graph | × floor | × faster than stock (graphs) |", "|---" * 11 + "|"]
+    for r in rows:
+        g, sg, fl = float(r["fusekern_graph_us"]), float(r["stock_graph_us"]), float(r["floor_us"])
+        out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
+                   f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
+                   f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
+    return out
+
+
 def greedy_mask(rows: list[dict]) -> list[str]:
     cols = [("eager", "eager"), ("stock", "stock compile"), ("fusekern", "fusekern")]
     by: dict = {}
@@ -125,6 +137,7 @@ def e2e_decode(rows: list[dict]) -> list[str]:
 
 TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "packed_mm_sweep": packed_mm_sweep, "gemv_sweep": gemv_sweep, "greedy_mask": greedy_mask,
+          "decode_mm_shapes": decode_mm_shapes,
           "e2e_decode": e2e_decode}
 
 
