@@ -71,8 +71,8 @@ def sampler(rows: list[dict]) -> list[str]:
     return out
 
 
-def packed_mm_sweep(rows: list[dict]) -> list[str]:
-    """The fastest config per format and M in the packed kernels' sweep."""
+def gemv_sweep(rows: list[dict]) -> list[str]:
+    """The fastest config per format and M in the packed GEMV's sweep."""
     best: dict = {}
     for r in rows:
         try:
@@ -86,11 +86,6 @@ def packed_mm_sweep(rows: list[dict]) -> list[str]:
     for (fmt, m), r in best.items():
         out.append(f"| {fmt} | {m} | {_num(r['floor_us'])} | `{r['config']}` | {_num(r['us'])} | {float(r['x_floor']):.2f} |")
     return out
-
-
-def gemv_sweep(rows: list[dict]) -> list[str]:
-    """The fastest GEMV config per format and M, and the spread of the rest."""
-    return packed_mm_sweep(rows)
 
 
 def decode_mm_shapes(rows: list[dict]) -> list[str]:
@@ -114,10 +109,11 @@ def greedy_mask(rows: list[dict]) -> list[str]:
            + " | kernel alone (graph) | tokens equal |", "|---" * (2 * len(cols) + 4) + "|"]
     for b, v in sorted(by.items()):
         eq = all(r["tokens_equal"] == "True" for r in v.values())
-        out.append(f"| {b} | {float(v['kernel']['floor_us']):.2f} | "
-                   + " | ".join(_num(v[c]["median_us"]) for c, _ in cols) + " | "
-                   + " | ".join(_num(v[c]["cudagraph_us"]) for c, _ in cols)
-                   + f" | {_num(v['kernel']['cudagraph_us'])} | {'yes' if eq else 'NO'} |")
+        cell = lambda c, key: _num(v[c][key]) if c in v else "–"  # noqa: E731
+        out.append(f"| {b} | {float(next(iter(v.values()))['floor_us']):.2f} | "
+                   + " | ".join(cell(c, "median_us") for c, _ in cols) + " | "
+                   + " | ".join(cell(c, "cudagraph_us") for c, _ in cols)
+                   + f" | {cell('kernel', 'cudagraph_us')} | {'yes' if eq else 'NO'} |")
     return out
 
 
@@ -136,7 +132,7 @@ def e2e_decode(rows: list[dict]) -> list[str]:
 
 
 TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
-          "packed_mm_sweep": packed_mm_sweep, "gemv_sweep": gemv_sweep, "greedy_mask": greedy_mask,
+          "gemv_sweep": gemv_sweep, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes,
           "e2e_decode": e2e_decode}
 

@@ -658,8 +658,10 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         ws = None
         if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot)):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
-            if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype:
-                raise ValueError(f"decode_mm_triton: workspace must be {ws_dtype}[{cfg.SPLIT_K}, 1, {M}, {prog.N}]")
+            if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype \
+                    or not workspace.is_contiguous():
+                raise ValueError(f"decode_mm_triton: workspace must be a contiguous {ws_dtype}"
+                                 f"[{cfg.SPLIT_K}, 1, {M}, {prog.N}]")
             ws = workspace[:, 0]
         return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws)
     if isinstance(cfg, DequantConfig):

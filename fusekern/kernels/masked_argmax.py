@@ -65,13 +65,14 @@ def _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stri
 @triton.jit
 def masked_argmax_kernel(
     x_ptr, t_ptr, t_scalar, banned_ptr, mask_ptr, out_ptr, ws_v_ptr, ws_i_ptr, cnt_ptr,
-    V, CHUNK, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
+    V, CHUNK, SPLIT, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
     HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT_ROWS: tl.constexpr,
 ):
     """Program (row, part) finds the argmax of the row's chunk [part * CHUNK, (part + 1) * CHUNK). With
-    SPLIT > 1 the last of a row's programs to finish combines the chunks in order (lower chunks win
-    ties, the first NaN wins), so a row spreads over many SMs at small batch in one launch."""
+    SPLIT_ROWS (SPLIT > 1 programs per row) the last of a row's programs to finish combines the chunks
+    in order (lower chunks win ties, the first NaN wins), so a row spreads over many SMs at small batch
+    in one launch. SPLIT is a runtime value: a new batch size does not compile a new kernel."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * stride_x
@@ -94,7 +95,7 @@ def masked_argmax_kernel(
         if hit:
             v, i, nan_i = _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stride_bb,
                                         stride_bj, stride_mb, stride_mv, HAS_T, True, HAS_MASK, DTYPE, BLOCK)
-    if SPLIT == 1:
+    if not SPLIT_ROWS:
         tl.store(out_ptr + row, tl.where(nan_i < V, nan_i, i).to(tl.int64))
     else:
         slot = row * SPLIT + part
@@ -155,9 +156,9 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         ws_v = ws_i = cnt = out
     masked_argmax_kernel[(B, split)](
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
-        ws_v, ws_i, cnt, V, chunk, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
+        ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
         HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
-        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT=split, num_warps=4,
+        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, num_warps=8 if block >= 2048 else 4,
     )
     return out
 
@@ -215,11 +216,11 @@ def aot_builds():
 
     V = 128256
     base = dict(x_ptr="*bf16", t_ptr="*bf16", t_scalar=1.0, banned_ptr="*i64", mask_ptr="*u8", out_ptr="*i64",
-                ws_v_ptr="*fp32", ws_i_ptr="*i32", cnt_ptr="*i32", V=V, CHUNK=4096, n_banned=8, stride_x=V,
+                ws_v_ptr="*fp32", ws_i_ptr="*i32", cnt_ptr="*i32", V=V, CHUNK=4096, SPLIT=32, n_banned=8, stride_x=V,
                 stride_t=1, stride_bb=8, stride_bj=1, stride_mb=V, stride_mv=1)
     out = []
     for label, flags in (("T tensor + banned ids", dict(HAS_T=True, T_TENSOR=True, HAS_BANNED=True, HAS_MASK=False)),
                          ("T scalar + bool mask", dict(HAS_T=True, T_TENSOR=False, HAS_BANNED=False, HAS_MASK=True))):
-        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 SPLIT=32 {label}", masked_argmax_kernel,
-                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT=32), 4, 3))
+        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 rows split {label}", masked_argmax_kernel,
+                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT_ROWS=True), 8, 3))
     return out

@@ -305,7 +305,8 @@ def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.const
     x's significant bits (8 bf16, 11 fp16, 0 for fp32: products then need exact operands)."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     xsum = tl.zeros((words.shape[0],), dtype=tl.float32)
-    if VALUE == 3 and ASM and P == 8:  # E2M1, fields paired into f16x2 registers
+    # (zero points need the sum of x: the general branch forms it)
+    if VALUE == 3 and ASM and P == 8 and ZERO == 0:  # E2M1, fields paired into f16x2 registers
         for f in tl.static_range(4):
             lo, up = _e2m1_pair(words, f)
             part += lo * _x_at(x_row, kbase, (KPOS >> (4 * f)) & 15, stride_xk, K, EVEN)[:, None]
@@ -325,7 +326,7 @@ def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.const
         if VALUE == 1:  # a signed byte was read as byte + 128
             csum += 128.0 * xsum
         part -= csum[:, None]
-    elif VALUE == 2 and ASM and P == 4:  # fp8 bytes of an int32 word, converted two at a time
+    elif VALUE == 2 and ASM and P == 4 and ZERO == 0:  # fp8 bytes of an int32 word, two at a time
         v0, v1, v2, v3 = _fp8_quad(words)
         part += v0 * _x_at(x_row, kbase, KPOS & 15, stride_xk, K, EVEN)[:, None]
         part += v1 * _x_at(x_row, kbase, (KPOS >> 4) & 15, stride_xk, K, EVEN)[:, None]
@@ -401,11 +402,16 @@ def _zero_of(z_ptr, kz, n, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, G
 
 
 @triton.jit
-def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr):
-    if EVEN:
-        return tl.load(qp + kw[:, None] * sqk + n * sqn)
+def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr, I64: tl.constexpr):
+    """The [BKW, BLOCK_N] code words (64-bit offsets for a leaf of 2**31 elements or more)."""
+    if I64:
+        off = kw[:, None].to(tl.int64) * sqk + n.to(tl.int64) * sqn
     else:
-        return tl.load(qp + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & nmask, other=0)
+        off = kw[:, None] * sqk + n * sqn
+    if EVEN:
+        return tl.load(qp + off)
+    else:
+        return tl.load(qp + off, mask=(kw[:, None] < KW) & nmask, other=0)
 
 
 @triton.jit
@@ -417,7 +423,7 @@ def packed_gemv_kernel(
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
 ):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
 
@@ -451,7 +457,7 @@ def packed_gemv_kernel(
         ar = tl.max_contiguous(ar, 1)
     for t in range(t0, t1):
         kw = t * BKW + ar
-        words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN)
+        words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN, I64)
         if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
         if VALUE == 1:  # signed bytes read as byte + 128: flip every byte's sign bit once per word
@@ -672,18 +678,29 @@ _ARGS = LeafCache()
 
 
 def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
-    """Pointer and stride arguments, and constexprs, shared by the launchers (built once per leaf set)."""
-    hit = _ARGS.get((lay, K, N, word_i32), leaves)
-    if hit is not None:
-        return hit
-    return _ARGS.put((lay, K, N, word_i32), leaves, _build_common(lay, leaves, K, N, word_i32))
+    """Pointer and stride arguments, and constexprs, shared by the launchers. Strides and constexprs are
+    derived once per leaf set (the cache holds no tensor: it must not keep a dropped model's weights)."""
+    meta = _ARGS.get((lay, K, N, word_i32), leaves)
+    if meta is None:
+        meta = _ARGS.put((lay, K, N, word_i32), leaves, _meta(lay, leaves, K, N, word_i32))
+    return (_ptrs(lay, leaves), *meta)
 
 
-def _build_common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
+def _ptrs(lay: PackedLayout, leaves) -> tuple:
+    """The code, scale, zero and global leaves (the code leaf for an absent one); fp8 leaves as bytes,
+    bitcast in the kernel."""
+    q = leaves[lay.code]
+    s = leaves[lay.scale] if lay.scale >= 0 else q
+    z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else q
+    g = leaves[lay.glob] if lay.glob >= 0 else q
+    q, s = (t.view(torch.uint8) if t.dtype in FP8 else t for t in (q, s))
+    return q, s, z, g
+
+
+def _meta(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
     q = leaves[lay.code]
     s = leaves[lay.scale] if lay.scale >= 0 else None
     z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else None
-    g = leaves[lay.glob] if lay.glob >= 0 else None
     sqk, sqn = _strides(q, lay.code_dims)
     if word_i32:  # K-contiguous bytes read as int32 words (``_words`` checked the strides)
         sqk, sqn = 1, sqn // 4
@@ -692,11 +709,7 @@ def _build_common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
         kw //= 4
     ssk, ssn = _strides(s, lay.scale_dims)
     szk, szn = _strides(z, lay.zero_dims)
-    consts = _constexprs(lay, s is not None and s.dtype in FP8)
-    # fp8 leaves are read as bytes and bitcast in the kernel
-    q, s = (t.view(torch.uint8) if t is not None and t.dtype in FP8 else t for t in (q, s))
-    ptrs = (q, s if s is not None else q, z if z is not None else q, g if g is not None else q)
-    return ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts
+    return (kw, sqk, sqn, ssk, ssn, szk, szn), _constexprs(lay, s is not None and s.dtype in FP8)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -714,11 +727,11 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
     M = x.shape[0]
     if lay.pack_axis == "N":
         return _gemv_n(x, leaves, lay, K, N, cfg, bias, workspace)
-    args = _ARGS.get((lay, K, N, "gemv"), leaves)
-    if args is None:
-        word_i32, p, order = _words(lay, leaves[lay.code])
-        args = _ARGS.put((lay, K, N, "gemv"), leaves, (word_i32, p, _kpos(order), *_common(lay, leaves, K, N, word_i32)))
-    word_i32, p, kpos, ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = args
+    words = _ARGS.get((lay, "words"), leaves)
+    if words is None:
+        words = _ARGS.put((lay, "words"), leaves, _words(lay, leaves[lay.code]))
+    word_i32, p, order = words
+    ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
     tiles_n = triton.cdiv(N, cfg.BLOCK_N)
     if cfg.SPLIT_K > 1:
         ws = workspace if workspace is not None else \
@@ -732,9 +745,9 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
     packed_gemv_kernel[(tiles_n, cfg.SPLIT_K, M)](
         x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
-        P=p, KPOS=kpos, WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+        P=p, KPOS=_kpos(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
-        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0,
+        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return out
 
@@ -917,7 +930,7 @@ def aot_builds():
                         args = {k: v for k, v in args.items() if k != "stride_os"}
                         args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
                         ce.update(KPOS=_encode(_inverse(order)), VEC_K=cfg.vec_k, ASM=True,
-                                  EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0)
+                                  EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=False)
                     label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
                     kname = "packed_gemv"
                 else:

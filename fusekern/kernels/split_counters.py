@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 
 _COUNTERS: dict = {}
+_OUTGROWN: list = []  # replaced buffers stay allocated: CUDA graphs captured with them still use them
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` zeroed counters on ``device``."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = torch.zeros(max(n, 16384), device=device, dtype=torch.int32)
         _COUNTERS[device] = buf
     return buf
