@@ -101,25 +101,31 @@ def _scale_of(s, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _zero_of(z_ptr, kz, n, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+             ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr, szk, szn):
+    """The zero point (plus its constant offset) of the group holding [kz, n], as fp32."""
+    if ZERO == 1:
+        return tl.zeros(n.shape, dtype=tl.float32) + ZERO_VALUE
+    elif ZERO == 4:  # packed ZPW per word along n
+        zw = tl.load(z_ptr + (kz // GK) * szk + (n // (GN * ZPW)) * szn, mask=mask, other=0)
+        z = _field(zw, ((ZORDER >> (4 * ((n // GN) % ZPW))) & 15) * BITS, BITS)
+        return z.to(tl.float32) + ZERO_VALUE
+    else:
+        return _group_load(z_ptr, kz, n, mask, GK, GN, szk, szn).to(tl.float32) + ZERO_VALUE
+
+
+@triton.jit
 def _zero_sub(v, z_ptr, kk, nn, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, VALUE: tl.constexpr,
               GK: tl.constexpr, GN: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr,
               szk, szn):
     """``v - offset - zero``: the decoded value before scaling (one subtraction for integer zeros)."""
     if ZERO == 0:
         return v - _offset(VALUE)
-    elif ZERO == 1:
-        return v - (_offset(VALUE) + ZERO_VALUE)
-    elif ZERO == 4:  # zero points packed ZPW per word along n
-        zw = tl.load(z_ptr + (kk // GK) * szk + (nn // (GN * ZPW)) * szn, mask=mask, other=0)
-        pos = (nn // GN) % ZPW
-        z = _field(zw, ((ZORDER >> (4 * pos)) & 15) * BITS, BITS)
-        return v - ((z.to(tl.float32) + ZERO_VALUE) + _offset(VALUE))
-    elif ZERO == 2:  # integer zero points: offset + zero is exact in fp32
-        z = _group_load(z_ptr, kk, nn, mask, GK, GN, szk, szn)
-        return v - ((z.to(tl.float32) + ZERO_VALUE) + _offset(VALUE))
-    else:  # float zero points: subtract the offset first (exact), then the zero
-        z = _group_load(z_ptr, kk, nn, mask, GK, GN, szk, szn)
-        return (v - _offset(VALUE)) - (z.to(tl.float32) + ZERO_VALUE)
+    z = _zero_of(z_ptr, kk, nn, mask, ZERO, ZERO_VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn)
+    if ZERO == 3:  # float zero points: subtract the offset first (exact), then the zero
+        return (v - _offset(VALUE)) - z
+    else:  # constant or integer zero points: offset + zero is exact in fp32
+        return v - (z + _offset(VALUE))
 
 
 @triton.jit
@@ -141,13 +147,9 @@ def _tile_scale(s_ptr, k0, offs_n, N, GK: tl.constexpr, GN: tl.constexpr, ssk, s
 @triton.jit
 def _gemv_store(out, g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, stride_om, stride_on,
                 HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A GEMV program's epilogue: global scale, bias, store of its K slice's partial row."""
-    if HAS_GLOBAL:
-        out = out * tl.load(g_ptr).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    dst = out_ptr + pid_k * stride_os + m.to(tl.int64) * stride_om + offs_n * stride_on
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    """A GEMV program's epilogue, its K slice's partial row stored at ``out[pid_k]``."""
+    _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr + pid_k * stride_os, m, offs_n, N, stride_om, stride_on,
+                   HAS_GLOBAL, HAS_BIAS)
 
 
 @triton.jit
@@ -385,20 +387,6 @@ def _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, strid
         out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n * stride_on, out.to(out_ptr.dtype.element_ty),
              mask=offs_n < N)
-
-
-@triton.jit
-def _zero_of(z_ptr, kz, n, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-             ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr, szk, szn):
-    """The zero point (plus its constant offset) of the group holding [kz, n], as fp32."""
-    if ZERO == 1:
-        return tl.zeros(n.shape, dtype=tl.float32) + ZERO_VALUE
-    elif ZERO == 4:  # packed ZPW per word along n
-        zw = tl.load(z_ptr + (kz // GK) * szk + (n // (GN * ZPW)) * szn, mask=mask, other=0)
-        z = _field(zw, ((ZORDER >> (4 * ((n // GN) % ZPW))) & 15) * BITS, BITS)
-        return z.to(tl.float32) + ZERO_VALUE
-    else:
-        return _group_load(z_ptr, kz, n, mask, GK, GN, szk, szn).to(tl.float32) + ZERO_VALUE
 
 
 @triton.jit
@@ -929,7 +917,7 @@ def aot_builds():
                         kernel = packed_gemv_kernel
                         args = {k: v for k, v in args.items() if k != "stride_os"}
                         args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
-                        ce.update(KPOS=_encode(_inverse(order)), VEC_K=cfg.vec_k, ASM=True,
+                        ce.update(KPOS=_kpos(order), VEC_K=cfg.vec_k, ASM=True,
                                   EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=False)
                     label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
                     kname = "packed_gemv"
