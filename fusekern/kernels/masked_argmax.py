@@ -104,13 +104,15 @@ def masked_argmax_kernel(
         tl.store(ws_i_ptr + 2 * slot + 1, nan_i)
         tl.debug_barrier()  # the chunk's result is written before the count (release below)
         if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            best_v = tl.load(ws_v_ptr + row * SPLIT, cache_modifier=".cg")
-            best_i = tl.load(ws_i_ptr + 2 * row * SPLIT, cache_modifier=".cg")
-            first_nan = tl.load(ws_i_ptr + 2 * row * SPLIT + 1, cache_modifier=".cg")
-            for s in range(1, SPLIT):
-                vs = tl.load(ws_v_ptr + row * SPLIT + s, cache_modifier=".cg")
-                is_ = tl.load(ws_i_ptr + 2 * (row * SPLIT + s), cache_modifier=".cg")
-                first_nan = tl.minimum(first_nan, tl.load(ws_i_ptr + 2 * (row * SPLIT + s) + 1, cache_modifier=".cg"))
+            # chunks in order, strictly greater wins: a row of -inf keeps token 0 (chunk 0's answer too)
+            best_v = tl.full((), -float("inf"), tl.float32)
+            best_i = tl.full((), 0, tl.int32)
+            first_nan = tl.full((), 0, tl.int32) + V
+            for s in range(SPLIT):
+                at = row * SPLIT + s
+                vs = tl.load(ws_v_ptr + at, cache_modifier=".cg")
+                is_ = tl.load(ws_i_ptr + 2 * at, cache_modifier=".cg")
+                first_nan = tl.minimum(first_nan, tl.load(ws_i_ptr + 2 * at + 1, cache_modifier=".cg"))
                 better = vs > best_v
                 best_i = tl.where(better, is_, best_i)
                 best_v = tl.where(better, vs, best_v)
