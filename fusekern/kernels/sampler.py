@@ -47,24 +47,38 @@ def chunk_block(B: int, V: int) -> int:
     return min(block, max(16, triton.next_power_of_2(V)))
 
 
-def slots_for(top_k: int | None) -> int:
-    """Candidate slots per chunk: room for k plus ties at the chunk's pivot; without a known top-k (none,
-    or one per row) 128, enough for top-p / min-p sets of a peaked distribution."""
-    if top_k is None:
-        return 128
-    return int(min(max(16, triton.next_power_of_2(top_k + max(8, top_k // 4))), 1024))
-
-
-SUB = 1024  # tokens per step of a chunk's candidate-writing loop
-
-
-def kept_block(slots: int) -> int:
-    """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
-    return min(slots, 128)
-
-
 def chunk_warps(block: int) -> int:
     return 4 if block <= 2048 else 8
+
+
+def keys_per_chunk(top_k: int | None, block: int) -> int:
+    """KC: how many of its largest keys a chunk delivers at least, k_c = min(k, KC). A power of two >= a
+    scalar top-k (then the chunk holding the row's threshold alone proves the top-k exact), 64 without a
+    known top-k (none, or one per row), at most 256; the rest is proved exact or not per row by step 2."""
+    kc = 64 if top_k is None else triton.next_power_of_2(max(top_k, 16))
+    return int(min(kc, 256, block))
+
+
+def slots_for(kc: int) -> int:
+    """Candidate slots per chunk: the first guess of the threshold lands at ~1.1 k_c on random rows; twice KC
+    leaves room for ties and clustered keys before the chunk has to search."""
+    return 2 * kc
+
+
+def groups_for(kc: int, block: int) -> int:
+    """Groups whose maxima give the first threshold guess: four per wanted key."""
+    return min(4 * kc, block)
+
+
+def sub_block(warps: int) -> int:
+    """Tokens per step of the loops that re-read a chunk (writing candidates, the race without filters):
+    16 per thread."""
+    return 512 * warps
+
+
+def kept_block(kc: int) -> int:
+    """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
+    return min(max(kc, 16), 128)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -277,28 +291,95 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
 
 
 @triton.jit
-def _chunk_threshold(logits_ptr, row, stride_row, start, end, k, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
-                     DTYPE: tl.constexpr):
-    """(t, largest key, NaN flag) for logits[row, start:end] held in registers: a raw key t with
-    k <= count(key >= t) <= SLOTS where one exists (else the largest t with count >= k), by a binary search
-    on counts that stops as soon as the count fits (a few block sums; k <= the chunk's length)."""
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < end
+def _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE: tl.constexpr):
+    """A block of one row's raw logits (fp32) and their keys (MIN_KEY where masked)."""
     raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
-    key = tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
-    top = tl.max(key, axis=0)
-    nan = tl.max((raw != raw).to(tl.int32), axis=0)
-    lo = tl.min(tl.where(mask, key, 2**31 - 1), axis=0).to(tl.int64)  # count(>= lo) = all >= k
-    hi = top.to(tl.int64) + 1  # count(>= hi) = 0 < k
-    n = tl.sum(mask.to(tl.int32), axis=0)
-    done = n <= SLOTS
+    return raw, tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
+
+
+@triton.jit
+def _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS: tl.constexpr,
+                      SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """Writes the chunk's tokens with key >= t that fit its SLOTS (packed key << 32 | token, in token
+    order) and returns how many there are (more than SLOTS: the chunk overflowed). Re-reads the chunk
+    from L1/L2 in SUB-token steps: few registers, and the slot of each token is a cumsum within one step."""
+    n = tl.zeros((), tl.int32)
+    for off in range(start, end, SUB):
+        offs = off + tl.arange(0, SUB)
+        mask = offs < end
+        _, key = _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE)
+        sel = mask & (key >= t)
+        slot = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)  # tokens are < 2**30: the low word is the token
+        tl.store(cand_ptr + at.to(tl.int64) * SLOTS + slot, packed, mask=sel & (slot < SLOTS))
+        n += tl.sum(sel.to(tl.int32), axis=0)
+    return n
+
+
+@triton.jit
+def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.constexpr, SUB: tl.constexpr,
+            DTYPE: tl.constexpr):
+    """A key t in [lo, hi) with k <= count(key >= t) <= SLOTS where one exists (else the largest t with
+    count >= k), by a binary search on counts over the chunk (re-read per step) that stops as soon as the
+    count fits. Needs count(key >= lo) >= k and count(key >= hi) < k. The rare path of a chunk whose
+    first guess overflowed (clustered or tied keys)."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    done = tl.zeros((), tl.int1)
     while (done == 0) & (hi - lo > 1):
         mid = (lo + hi) >> 1
-        c = tl.sum((key >= mid).to(tl.int32), axis=0)
+        c = tl.zeros((), tl.int32)
+        for off in range(start, end, SUB):
+            offs = off + tl.arange(0, SUB)
+            _, key = _raw_keys(logits_ptr, row, stride_row, offs, offs < end, DTYPE)
+            c += tl.sum((key >= mid).to(tl.int32), axis=0)  # mid > MIN_KEY: masked keys never count
         lo = tl.where(c >= k, mid, lo)
         hi = tl.where(c >= k, hi, mid)
         done = (c >= k) & (c <= SLOTS)
-    return lo.to(tl.int32), top, nan
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
+                      ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr,
+                      BLOCK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """Step 1 for one chunk: writes its candidates, the tokens with key >= t_c, and returns (t_c, their
+    count, largest key, NaN flag), t_c with k_c <= count(key >= t_c) <= SLOTS where one exists
+    (k_c <= KC <= GROUPS).
+
+    First guess, no search: cut the chunk into GROUPS groups (any partition will do, so Triton may keep a
+    group in one thread's registers) and take the k_c-th largest group maximum. k_c groups hold a key at or
+    above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random rows. Only a
+    guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on counts."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < end
+    raw, key = _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE)
+    nan = tl.max((raw != raw).to(tl.int32), axis=0)
+    if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp
+        x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
+        m_c = tl.max(x, axis=0)
+        m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)  # all -inf: the sum stays 0
+        tl.store(max_ptr + at, m_c)
+        tl.store(sum_ptr + at, tl.sum(tl.exp(x - m_safe), axis=0))
+    gmax = tl.max(tl.reshape(key, (GROUPS, BLOCK // GROUPS), can_reorder=True), axis=1)
+    top = tl.max(gmax, axis=0)
+    best = tl.topk(gmax, KC)  # descending
+    t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
+    n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB, DTYPE)
+    if n > SLOTS:
+        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, SLOTS, SUB, DTYPE)
+        n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB, DTYPE)
+    return t, n, top, nan
+
+
+@triton.jit
+def _unpack_key(packed):
+    return (packed >> 32).to(tl.int32)
+
+
+@triton.jit
+def _unpack_token(packed):
+    return (packed & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -309,7 +390,7 @@ def _scale(raw, temperature, DTYPE: tl.constexpr):
 
 @triton.jit
 def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
-            thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr, out_ptr, C,
+            thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
             ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
             ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
@@ -336,8 +417,11 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
                       cache_modifier=".cg")
         valid = (j // SLOTS < C) & (j % SLOTS < n_j)
         cj = row.to(tl.int64) * C * SLOTS + j
-        craw = tl.load(cand_key_ptr + cj, mask=valid, other=MIN_KEY, cache_modifier=".cg")
-        cidx = tl.load(cand_idx_ptr + cj, mask=valid, other=0, cache_modifier=".cg")
+        # every slot of the row is read at once, not after the counts (a dependent load less); slots past
+        # a chunk's count hold stale values, dropped by valid
+        cand = tl.load(cand_ptr + cj, mask=j // SLOTS < C, other=0, cache_modifier=".cg")
+        craw = tl.where(valid, _unpack_key(cand), MIN_KEY)
+        cidx = _unpack_token(cand)
         cx = tl.where(valid, _scale(_x_of_key(craw, DTYPE), temperature, DTYPE), float("-inf"))
         ckey = tl.where(valid, _key_of(cx, DTYPE), MIN_KEY)
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -361,14 +445,14 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             kslot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
             own = row.to(tl.int64) * C * SLOTS + kslot  # the row's own slots: read already
             tl.debug_barrier()
-            tl.store(cand_key_ptr + own, craw, mask=kept)
-            tl.store(cand_idx_ptr + own, cidx, mask=kept)
+            tl.store(cand_ptr + own, cand, mask=kept)
             tl.debug_barrier()
             i = tl.arange(0, KEPT_BLOCK)
             small = i < n_kept
             at_i = row.to(tl.int64) * C * SLOTS + i
-            kraw = tl.load(cand_key_ptr + at_i, mask=small, other=MIN_KEY, cache_modifier=".cg")
-            kidx = tl.load(cand_idx_ptr + at_i, mask=small, other=0, cache_modifier=".cg")
+            kept_cand = tl.load(cand_ptr + at_i, mask=small, other=0, cache_modifier=".cg")
+            kraw = tl.where(small, _unpack_key(kept_cand), MIN_KEY)
+            kidx = _unpack_token(kept_cand)
             kx = tl.where(small, _scale(_x_of_key(kraw, DTYPE), temperature, DTYPE), float("-inf"))
             kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
             best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
@@ -395,13 +479,13 @@ def _sample_kernel(
     topp_ptr, top_p, stride_p, minp_ptr, min_p, stride_m,
     seed_ptr, noise_ptr,
     thr_ptr, cnt_ptr, rmax_ptr, bad_ptr, max_ptr, sum_ptr, best_ptr,  # per chunk [B, C]
-    cand_key_ptr, cand_idx_ptr,  # per chunk slot [B, C, SLOTS]
+    cand_ptr,  # per chunk slot [B, C, SLOTS]: key << 32 | token
     out_ptr, C,
     TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr,
-    BLOCK: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
+    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
     CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
@@ -423,39 +507,14 @@ def _sample_kernel(
         end = tl.minimum(start + BLOCK, V)
         if FILTERED:
             if HAS_TOP_K:
-                k_c = tl.minimum(k, SLOTS)
+                k_c = tl.minimum(k, KC)
             else:
-                k_c = tl.full((), SLOTS, tl.int32)
-            # any t with k_c <= count(>= t) <= SLOTS keeps step 2 exact (docstring)
-            t_c, top, nan = _chunk_threshold(logits_ptr, row, stride_row, start, end, tl.minimum(k_c, end - start),
-                                             SLOTS, BLOCK, DTYPE)
-            t_c = tl.where(end - start > k_c, t_c, MIN_KEY)
-            n_sel = tl.zeros((), tl.int32)
-            m_run = tl.full((), float("-inf"), tl.float32)
-            s_run = tl.zeros((), tl.float32)
-            for off in range(start, end, SUB):
-                offs = off + tl.arange(0, SUB)
-                mask = offs < end
-                raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
-                rkey = _key_of(raw, DTYPE)
-                sel = mask & (rkey >= t_c)
-                slot = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                put = sel & (slot < SLOTS)
-                base = at.to(tl.int64) * SLOTS + slot
-                tl.store(cand_key_ptr + base, rkey, mask=put)
-                tl.store(cand_idx_ptr + base, offs, mask=put)
-                n_sel += tl.sum(sel.to(tl.int32), axis=0)
-                if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's softmax sum, online
-                    x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
-                    m_new = tl.maximum(m_run, tl.max(x, axis=0))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0
-                    s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-                    m_run = m_new
+                k_c = tl.full((), KC, tl.int32)
+            t_c, n_sel, top, nan = _chunk_candidates(
+                logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
+                ROW_SUM, SLOTS, GROUPS, KC, BLOCK, SUB, DTYPE)
             tl.store(thr_ptr + at, t_c)
             tl.store(cnt_ptr + at, n_sel)
-            if ROW_SUM:
-                tl.store(max_ptr + at, m_run)
-                tl.store(sum_ptr + at, s_run)
         else:  # temperature only: the race over the whole chunk
             top = tl.full((), MIN_KEY, tl.int32)
             nan = tl.zeros((), tl.int32)
@@ -473,7 +532,7 @@ def _sample_kernel(
         tl.store(rmax_ptr + at, top)
     else:  # ---- 2. the row, from its chunks' candidates
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
-                thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_key_ptr, cand_idx_ptr,
+                thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
                 KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
 
@@ -515,6 +574,9 @@ def sample_triton(
     block: int | None = None,
     slots: int | None = None,
     warps: int | None = None,
+    kc: int | None = None,
+    groups: int | None = None,
+    finish_warps: int | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
@@ -525,7 +587,9 @@ def sample_triton(
     advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
-    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA.
+    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
+    ``kc``, ``groups``: keys per chunk and groups of the first threshold guess; ``finish_warps``: of step 2's
+    CTA (tuning knobs: the defaults come from the heuristics above).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -557,13 +621,16 @@ def sample_triton(
     topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
     block = block or chunk_block(B, V)
-    slots = slots or slots_for(k_scalar if has_k and topk is None else None)
+    kc = kc or keys_per_chunk(k_scalar if has_k and topk is None else None, block)
+    slots = slots or slots_for(kc)
+    groups = groups or groups_for(kc, block)
+    warps = warps or chunk_warps(block)
     C = triton.cdiv(V, block)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
     best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
     n_cand = B * C * slots if (has_k or has_p or has_m) else 1
-    cand = torch.empty((2, n_cand), dtype=torch.int32, device=dev)  # raw key, token per candidate slot
+    cand = torch.empty(n_cand, dtype=torch.int64, device=dev)  # raw key << 32 | token per candidate slot
     args = (
         logits, V, logits.stride(0),
         temp if temp is not None else f32, t_scalar, stride_t,
@@ -571,18 +638,18 @@ def sample_triton(
         topp if topp is not None else f32, p_scalar, stride_p,
         minp if minp is not None else f32, m_scalar, stride_m,
         seed, noise if noise is not None else f32,
-        i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand[0], cand[1],
+        i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand,
         out, C,
     )
     meta = dict(
         TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
-        C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(SUB, triton.next_power_of_2(block)),
+        KC=kc, GROUPS=groups, C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub_block(warps), block),
     )
-    _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps or chunk_warps(block))
-    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=8)
+    _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
+    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or 8)
     return out
 
 
@@ -597,20 +664,22 @@ def aot_builds():
     V, k = 128256, 50
     builds = []
     for B, dtype, key_bits in ((1, "bf16", 16), (1, "fp32", 32), (256, "bf16", 16)):
-        block, slots = chunk_block(B, V), slots_for(k)
+        block = chunk_block(B, V)
+        kc = keys_per_chunk(k, block)
+        slots = slots_for(kc)
         C = triton.cdiv(V, block)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
             topp_ptr="*fp32", top_p=0.9, stride_p=0, minp_ptr="*fp32", min_p=0.0, stride_m=0,
             seed_ptr="*i64", noise_ptr="*fp32", thr_ptr="*i32", cnt_ptr="*i32", rmax_ptr="*i32", bad_ptr="*i32",
-            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_key_ptr="*i32", cand_idx_ptr="*i32",
-            out_ptr="*i64", C=C)
+            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_ptr="*i64", out_ptr="*i64", C=C)
         constexprs = dict(
             TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
-            HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots,
-            C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(slots), ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=SUB)
+            HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
+            GROUPS=groups_for(kc, block), C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
+            ROW_BLOCK=2048, KEY_BITS=key_bits,
+            SUB=min(sub_block(chunk_warps(block)), block))
         config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block)))

@@ -1,0 +1,98 @@
+"""Sweep of the fused sampler's launch shapes (issue 5's setting: V = 128256, bf16, T 0.8, top-k 50, top-p 0.9).
+
+    python benchmarks/sweep_sampler.py [--csv OUT.csv] [--bs 1,8,32,256,512] [--profile]
+
+With benchmarks/_sampler_before.py present (an older sampler.py without its custom-op section, untracked)
+its default launch is timed in the same run for an A/B comparison.
+
+Every config is first checked exactly: with injected exponential noise its tokens must equal the float64
+reference's (sampler.sample_reference). Then the Philox path is timed in a CUDA graph
+(``do_bench_cudagraph``, median). ``--profile`` adds each batch's default config split into its two
+launches (torch.profiler kernel times). A config that fails to compile is recorded with its error.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.testing
+
+from bench_common import RowWriter, versions, warm_up_clocks
+from fusekern.kernels import sampler as S
+
+V, T, K, P = 128256, 0.8, 50, 0.9
+
+
+def configs(B: int):
+    """(block, warps, slots): chunk sizes against warps (32 to 128 keys per thread) and candidate slots
+    (step 2 holds a row's C * slots candidates: at most 8192)."""
+    for block, warps, slots in itertools.product((1024, 2048, 4096, 8192), (1, 2, 4), (64, 128)):
+        per_thread = block // (32 * warps)
+        if 32 <= per_thread <= 128 and triton.next_power_of_2(triton.cdiv(V, block)) * slots <= 8192:
+            yield dict(block=block, warps=warps, slots=slots)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--bs", default="1,8,32,256,512")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    warm_up_clocks()
+    meta = versions()
+    out = RowWriter(args.csv)
+    seed = torch.tensor([7], device="cuda")
+    try:
+        import _sampler_before as before
+    except ImportError:
+        before = None
+    for B in map(int, args.bs.split(",")):
+        g = torch.Generator().manual_seed(B)
+        logits = (torch.randn(B, V, generator=g) * 3).to("cuda", torch.bfloat16)
+        q = torch.empty(B, V).exponential_(1, generator=g).cuda()
+        want = S.sample_reference(logits, T, K, P, q=q).tolist()
+        block = S.chunk_block(B, V)
+        default = dict(block=block, warps=S.chunk_warps(block), slots=S.slots_for(S.keys_per_chunk(K, block)))
+        best = None
+        for cfg in [default, *configs(B)]:
+            try:
+                got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()
+                exact = got == want
+                us = triton.testing.do_bench_cudagraph(lambda: S.sample_triton(logits, T, K, P, seed=seed, **cfg),
+                                                       rep=100) * 1e3
+                err = ""
+            except Exception as e:  # a config that does not compile or fit: recorded, the sweep goes on
+                exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            tag = "default" if cfg is default else ""
+            out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], slots=cfg["slots"], tag=tag, median_us=round(us, 2), exact=exact,
+                           error=err))
+            print(f"B={B:4d} {str(cfg):58s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
+                  flush=True)
+            if exact and (best is None or us < best[0]):
+                best = (us, cfg)
+        print(f"B={B}: best {best}", flush=True)
+        if before is not None:  # the previous kernel (benchmarks/_sampler_before.py, untracked), same run
+            us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
+                                                   rep=100) * 1e3
+            exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
+            out.write(dict(**meta, B=B, V=V, block=0, warps=0, slots=0, tag="before", median_us=round(us, 2),
+                           exact=exact, error=""))
+            print(f"B={B:4d} before {us:8.2f} us {'exact' if exact else 'MISMATCH'}", flush=True)
+        if args.profile:
+            fn = lambda: S.sample_triton(logits, T, K, P, seed=seed)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            for ev in prof.key_averages():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    print(f"   profile B={B}: {ev.key[:60]:60s} {ev.device_time:8.2f} us x {ev.count}", flush=True)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
