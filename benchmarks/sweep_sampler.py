@@ -26,12 +26,11 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 
 
 def configs(B: int):
-    """(block, warps, slots): chunk sizes against warps (32 to 128 keys per thread) and candidate slots
-    (step 2 holds a row's C * slots candidates: at most 8192)."""
-    for block, warps, slots in itertools.product((1024, 2048, 4096, 8192), (1, 2, 4), (64, 128)):
-        per_thread = block // (32 * warps)
-        if 32 <= per_thread <= 128 and triton.next_power_of_2(triton.cdiv(V, block)) * slots <= 8192:
-            yield dict(block=block, warps=warps, slots=slots)
+    """Step size and warps, CTAs per row (the span), candidate slots per chunk, step 2's warps."""
+    for (block, warps), ctas, slots in itertools.product(((4096, 8), (2048, 4)), (1, 2, 4, 8, 16, 32), (64, 128)):
+        if ctas * B <= 8 * 132 and triton.next_power_of_2(ctas) * slots <= 8192:
+            span = triton.cdiv(triton.cdiv(V, ctas), block) * block
+            yield dict(block=block, warps=warps, span=span, slots=slots)
 
 
 def main():
@@ -54,9 +53,11 @@ def main():
         q = torch.empty(B, V).exponential_(1, generator=g).cuda()
         want = S.sample_reference(logits, T, K, P, q=q).tolist()
         block = S.chunk_block(B, V)
-        default = dict(block=block, warps=S.chunk_warps(block), slots=S.slots_for(S.keys_per_chunk(K, block)))
+        default = dict(block=block, warps=S.chunk_warps(block), span=S.chunk_span(B, V, block, 132),
+                       slots=S.slots_for(S.keys_per_chunk(K, block)))
+        fw = [dict(default, finish_warps=w) for w in (4, 8, 16)]
         best = None
-        for cfg in [default, *configs(B)]:
+        for cfg in [default, *fw, *configs(B)]:
             try:
                 got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()
                 exact = got == want
@@ -66,7 +67,8 @@ def main():
             except Exception as e:  # a config that does not compile or fit: recorded, the sweep goes on
                 exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             tag = "default" if cfg is default else ""
-            out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], slots=cfg["slots"], tag=tag, median_us=round(us, 2), exact=exact,
+            out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], span=cfg["span"],
+                           slots=cfg["slots"], finish_warps=cfg.get("finish_warps", ""), tag=tag, median_us=round(us, 2), exact=exact,
                            error=err))
             print(f"B={B:4d} {str(cfg):58s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
                   flush=True)
@@ -77,7 +79,7 @@ def main():
             us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
                                                    rep=100) * 1e3
             exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
-            out.write(dict(**meta, B=B, V=V, block=0, warps=0, slots=0, tag="before", median_us=round(us, 2),
+            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, finish_warps="", tag="before", median_us=round(us, 2),
                            exact=exact, error=""))
             print(f"B={B:4d} before {us:8.2f} us {'exact' if exact else 'MISMATCH'}", flush=True)
         if args.profile:
@@ -88,9 +90,10 @@ def main():
                 for _ in range(20):
                     fn()
                 torch.cuda.synchronize()
-            for ev in prof.key_averages():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    print(f"   profile B={B}: {ev.key[:60]:60s} {ev.device_time:8.2f} us x {ev.count}", flush=True)
+            times = [ev.device_time for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+                     and "_sample_kernel" in ev.name]
+            step1, step2 = sorted(times[0::2])[len(times) // 4], sorted(times[1::2])[len(times) // 4]
+            print(f"   profile B={B}: step 1 {step1:.2f} us, step 2 {step2:.2f} us (medians)", flush=True)
     out.close()
 
 

@@ -48,20 +48,25 @@ def filters_for(name, B, V):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,V,block,slots", [(3, 300, 128, None), (5, 1100, 256, None), (4, 777, 64, 8)])
+@pytest.mark.parametrize("B,V,block,span,slots", [(3, 300, 128, None, None), (5, 1100, 256, None, None),
+                                                  (2, 1300, 64, 448, None), (4, 777, 64, None, 8)])
 @pytest.mark.parametrize("name", list(FILTERS))
-def test_matches_reference_with_injected_noise(dtype, B, V, block, slots, name):
-    """slots=8 sends most rows to the slow path (chunk overflow, top-k beyond the slots)."""
+def test_matches_reference_with_injected_noise(dtype, B, V, block, span, slots, name):
+    """span 448: a chunk of 7 steps (the first pass carries group maxima and the softmax sum across steps,
+    the last chunk is cut short); slots=8 sends most rows to the slow path (chunk overflow, top-k beyond
+    the slots)."""
     logits = make_logits(B, V, dtype, seed=V + B, scale=0.7)
     q = exp_noise(B, V, seed=V)
     filters = filters_for(name, B, V)
     temperature = torch.linspace(0.5, 1.5, B, device=DEVICE) if B > 1 else 0.8
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
-    S.sample_triton(logits, temperature, seed=seed_tensor(), noise=q, out=out, block=block, slots=slots, **filters)
+    S.sample_triton(logits, temperature, seed=seed_tensor(), noise=q, out=out, block=block, span=span, slots=slots,
+                    **filters)
     assert out.cpu().tolist() == S.sample_reference(logits, temperature, q=q, **filters).tolist()
 
 
-@pytest.mark.parametrize("variant", [dict(block=64), dict(slots=8), "binary_search_top_p"], ids=str)
+@pytest.mark.parametrize("variant", [dict(block=64), dict(block=32, span=256), dict(slots=8), "binary_search_top_p"],
+                         ids=str)
 def test_every_path_draws_the_same_tokens(variant, monkeypatch):
     """Other chunk sizes, fast or slow path, top-p pairwise or by binary
     search: the same Philox uniform per (row, token), so the same tokens."""

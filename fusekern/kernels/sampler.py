@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.device_info import sm_count
+
 KERNEL_VERSION = "sampler-3"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,14 +43,24 @@ MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects
 
 
 def chunk_block(B: int, V: int) -> int:
-    """Tokens per chunk (one CTA, the chunk held in registers): small chunks spread one row over the SMs, large
-    ones keep the per-row candidate list short when many rows fill the GPU anyway (H200 sweep)."""
-    block = 4096 if B <= 8 else 8192
-    return min(block, max(16, triton.next_power_of_2(V)))
+    """Tokens per step of a chunk's first pass (held in registers; the next step's load is in flight)."""
+    return min(4096, max(16, triton.next_power_of_2(V)))
 
 
 def chunk_warps(block: int) -> int:
     return 4 if block <= 2048 else 8
+
+
+def chunk_span(B: int, V: int, block: int, sms: int) -> int:
+    """Tokens per chunk (one CTA), a multiple of ``block``: about two CTAs per SM over the batch, at most
+    32 chunks a row. Many rows: one CTA reads a whole row, and step 2 merges no chunks."""
+    ctas = max(1, min(triton.cdiv(2 * sms, B), 32, triton.cdiv(V, block)))
+    return triton.cdiv(triton.cdiv(V, ctas), block) * block
+
+
+def finish_warps_for(n_slots: int) -> int:
+    """Warps of step 2's CTA, by the candidate slots of a row it holds."""
+    return 4 if n_slots <= 1024 else 8
 
 
 def keys_per_chunk(top_k: int | None, block: int) -> int:
@@ -351,17 +363,32 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     group in one thread's registers) and take the k_c-th largest group maximum. k_c groups hold a key at or
     above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random rows. Only a
     guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on counts."""
+    gmax = tl.full((GROUPS,), MIN_KEY, tl.int32)
+    nan = tl.zeros((), tl.int32)
+    m_run = tl.full((), float("-inf"), tl.float32)
+    s_run = tl.zeros((), tl.float32)
+    # BLOCK tokens per step, the next step's load issued before this step's work (two steps in flight)
     offs = start + tl.arange(0, BLOCK)
-    mask = offs < end
-    raw, key = _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE)
-    nan = tl.max((raw != raw).to(tl.int32), axis=0)
-    if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp
-        x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
-        m_c = tl.max(x, axis=0)
-        m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)  # all -inf: the sum stays 0
-        tl.store(max_ptr + at, m_c)
-        tl.store(sum_ptr + at, tl.sum(tl.exp(x - m_safe), axis=0))
-    gmax = tl.max(tl.reshape(key, (GROUPS, BLOCK // GROUPS), can_reorder=True), axis=1)
+    raw_next = _load_raw(logits_ptr, row, stride_row, offs, offs < end)
+    for off in range(start, end, BLOCK):
+        raw = raw_next
+        mask = offs < end
+        offs_next = offs + BLOCK
+        raw_next = _load_raw(logits_ptr, row, stride_row, offs_next, offs_next < end)
+        key = tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
+        nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
+        # groups: a token's group is its position in the step's reshape; maxima carried across steps
+        gmax = tl.maximum(gmax, tl.max(tl.reshape(key, (GROUPS, BLOCK // GROUPS), can_reorder=True), axis=1))
+        if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp, online
+            x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
+            m_new = tl.maximum(m_run, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: the sum stays 0
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m_run = m_new
+        offs = offs_next
+    if ROW_SUM:
+        tl.store(max_ptr + at, m_run)
+        tl.store(sum_ptr + at, s_run)
     top = tl.max(gmax, axis=0)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
@@ -421,7 +448,7 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
         # a chunk's count hold stale values, dropped by valid
         cand = tl.load(cand_ptr + cj, mask=j // SLOTS < C, other=0, cache_modifier=".cg")
         craw = tl.where(valid, _unpack_key(cand), MIN_KEY)
-        cidx = _unpack_token(cand)
+        cidx = tl.where(valid, _unpack_token(cand), 0)  # a stale token would address noise out of bounds
         cx = tl.where(valid, _scale(_x_of_key(craw, DTYPE), temperature, DTYPE), float("-inf"))
         ckey = tl.where(valid, _key_of(cx, DTYPE), MIN_KEY)
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -480,7 +507,7 @@ def _sample_kernel(
     seed_ptr, noise_ptr,
     thr_ptr, cnt_ptr, rmax_ptr, bad_ptr, max_ptr, sum_ptr, best_ptr,  # per chunk [B, C]
     cand_ptr,  # per chunk slot [B, C, SLOTS]: key << 32 | token
-    out_ptr, C,
+    out_ptr, C, span,
     TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr,
@@ -503,8 +530,8 @@ def _sample_kernel(
         # token): its candidates (the tokens with key >= its k_c-th largest), max key, NaN flag
         chunk = tl.program_id(1)
         at = row * C + chunk
-        start = chunk * BLOCK
-        end = tl.minimum(start + BLOCK, V)
+        start = chunk * span
+        end = tl.minimum(start + span, V)
         if FILTERED:
             if HAS_TOP_K:
                 k_c = tl.minimum(k, KC)
@@ -574,6 +601,7 @@ def sample_triton(
     block: int | None = None,
     slots: int | None = None,
     warps: int | None = None,
+    span: int | None = None,
     kc: int | None = None,
     groups: int | None = None,
     finish_warps: int | None = None,
@@ -588,7 +616,7 @@ def sample_triton(
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
     candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
-    ``kc``, ``groups``: keys per chunk and groups of the first threshold guess; ``finish_warps``: of step 2's
+    ``span``: tokens per chunk (a multiple of ``block``, the tokens per step); ``kc``, ``groups``: keys per chunk and groups of the first threshold guess; ``finish_warps``: of step 2's
     CTA (tuning knobs: the defaults come from the heuristics above).
     """
     if logits.dim() != 2:
@@ -621,11 +649,14 @@ def sample_triton(
     topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
     block = block or chunk_block(B, V)
+    span = span or chunk_span(B, V, block, sm_count(dev))
+    if span % block:
+        raise ValueError(f"sample: span {span} must be a multiple of block {block}")
     kc = kc or keys_per_chunk(k_scalar if has_k and topk is None else None, block)
     slots = slots or slots_for(kc)
     groups = groups or groups_for(kc, block)
     warps = warps or chunk_warps(block)
-    C = triton.cdiv(V, block)
+    C = triton.cdiv(V, span)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
     best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
@@ -639,7 +670,7 @@ def sample_triton(
         minp if minp is not None else f32, m_scalar, stride_m,
         seed, noise if noise is not None else f32,
         i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand,
-        out, C,
+        out, C, span,
     )
     meta = dict(
         TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
@@ -649,7 +680,8 @@ def sample_triton(
         KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub_block(warps), block),
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
-    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or 8)
+    _sample_kernel[(B,)](*args, FINISH=True, **meta,
+                         num_warps=finish_warps or finish_warps_for(meta["C_BLOCK"] * slots))
     return out
 
 
@@ -665,26 +697,27 @@ def aot_builds():
     builds = []
     for B, dtype, key_bits in ((1, "bf16", 16), (1, "fp32", 32), (256, "bf16", 16)):
         block = chunk_block(B, V)
+        span = chunk_span(B, V, block, 132)
         kc = keys_per_chunk(k, block)
         slots = slots_for(kc)
-        C = triton.cdiv(V, block)
+        C = triton.cdiv(V, span)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
             topp_ptr="*fp32", top_p=0.9, stride_p=0, minp_ptr="*fp32", min_p=0.0, stride_m=0,
             seed_ptr="*i64", noise_ptr="*fp32", thr_ptr="*i32", cnt_ptr="*i32", rmax_ptr="*i32", bad_ptr="*i32",
-            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_ptr="*i64", out_ptr="*i64", C=C)
+            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_ptr="*i64", out_ptr="*i64", C=C, span=span)
         constexprs = dict(
             TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
             SUB=min(sub_block(chunk_warps(block)), block))
-        config = f"{dtype} B={B} BLOCK={block} SLOTS={slots} top-k+top-p"
+        config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block)))
         builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
-                                  num_warps=8))
+                                  num_warps=finish_warps_for(triton.next_power_of_2(C) * slots)))
     return builds
 
 
