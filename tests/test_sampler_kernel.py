@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from fusekern.kernels import sampler as S
 
@@ -215,8 +216,16 @@ def test_strided_rows():
 
 
 def test_size_heuristics():
-    assert S.chunk_block(1, 128256) == 4096 and S.chunk_block(256, 128256) == 8192
-    assert S.chunk_block(4, 300) == 512  # never more than the vocabulary needs
-    assert S.slots_for(50) == 64 and S.slots_for(1) == 16 and S.slots_for(None) == 128
-    assert S.slots_for(5000) == 1024  # beyond: the exact slow path
-    assert S.kept_block(64) == 64 and S.kept_block(1024) == 128
+    V = 128256
+    assert S.chunk_block(1, V) == 2048 and S.chunk_block(4, 300) == 512  # never more than the vocabulary needs
+    # about four CTAs per SM over the batch, at most 32 chunks a row, spans in whole steps
+    assert triton.cdiv(V, S.chunk_span(1, V, 2048, 132)) == 32
+    assert triton.cdiv(V, S.chunk_span(32, V, 2048, 132)) == 16
+    assert triton.cdiv(V, S.chunk_span(256, V, 2048, 132)) == 3
+    assert S.chunk_span(1024, V, 2048, 132) >= V  # a batch that fills the GPU: one CTA reads a whole row
+    assert S.chunk_span(5, 300, 128, 132) == 128
+    assert S.keys_per_chunk(50, 2048) == 64 and S.keys_per_chunk(1, 2048) == 16 and S.keys_per_chunk(None, 2048) == 64
+    assert S.keys_per_chunk(5000, 2048) == 256 and S.keys_per_chunk(50, 32) == 32  # never more than a step
+    assert S.slots_for(64, 32) == 64 and S.slots_for(64, 4) == 128
+    assert S.groups_for(64, 2048) == 256 and S.groups_for(64, 128) == 128
+    assert S.kept_block(64) == 64 and S.kept_block(1024) == 128 and S.kept_block(4) == 16

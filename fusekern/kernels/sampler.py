@@ -8,13 +8,17 @@ the order Hugging Face and vLLM apply the filters:
   cumsum, drop where cumsum <= 1 - p" keeps, ties kept together;
 - min-p: ``p_i >= min_p * p_max``, i.e. ``exp(x_i - max x) >= min_p``.
 
-No sort and one read of the row. The row is cut into chunks, one CTA each, a chunk held in registers:
-1. Each chunk finds a threshold t_c with ``k_c <= count(key >= t_c) <= SLOTS`` (``k_c = min(k, SLOTS)``;
-   a binary search on counts that stops once the count fits) and writes the tokens with key >= t_c (its
-   candidates: raw key and index), its largest key, and its sum of exp (top-p without top-k). Keys here
-   are of the raw logits: x = logits / T is monotone in them, so no token is divided in this pass.
+No sort and one read of the row from memory. The row is cut into chunks (spans), one CTA each, read in
+register-sized steps:
+1. Each chunk finds a threshold t_c with ``k_c <= count(key >= t_c) <= SLOTS`` (``k_c = min(k, KC)``):
+   its first pass keeps the largest key per position of a step, carried across steps without a reduction,
+   and takes the k_c-th largest maximum of GROUPS groups of positions (k_c groups hold a key at or above
+   it); a binary search on counts follows only when that guess overflows the slots. A second pass (from
+   L1/L2) writes the tokens with key >= t_c (its candidates: raw key and index, packed), and the chunk
+   stores its largest key and its sum of exp (top-p without top-k). Keys here are of the raw logits:
+   x = logits / T is monotone in them, so no token is divided in this pass.
    Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
-   holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= SLOTS.
+   holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= KC.
 2. A second launch, one CTA per row, reads the row's candidates and takes the exact
    top-k pivot, the top-p threshold (pairwise mass over the kept tokens), the min-p bound and
    the race (Philox uniform per (row, token), Gumbel score ``x - log q``: the normalizer does not change
@@ -44,23 +48,24 @@ MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects
 
 def chunk_block(B: int, V: int) -> int:
     """Tokens per step of a chunk's first pass (held in registers; the next step's load is in flight)."""
-    return min(4096, max(16, triton.next_power_of_2(V)))
+    return min(2048, max(16, triton.next_power_of_2(V)))
 
 
-def chunk_warps(block: int) -> int:
-    return 4 if block <= 2048 else 8
+def chunk_warps(block: int, key_bits: int = 16) -> int:
+    """fp32 keys take more registers: 8 warps (4 spilled on Triton 3.9)."""
+    return 4 if block <= 2048 and key_bits == 16 else 8
 
 
 def chunk_span(B: int, V: int, block: int, sms: int) -> int:
-    """Tokens per chunk (one CTA), a multiple of ``block``: about two CTAs per SM over the batch, at most
-    32 chunks a row. Many rows: one CTA reads a whole row, and step 2 merges no chunks."""
-    ctas = max(1, min(triton.cdiv(2 * sms, B), 32, triton.cdiv(V, block)))
+    """Tokens per chunk (one CTA), a multiple of ``block``: about four CTAs per SM over the batch, at most
+    32 chunks a row (H200 sweep, git 6445512: 32 chunks at B = 1, 16 at B = 32, 3-4 at B = 256)."""
+    ctas = max(1, min(triton.cdiv(4 * sms, B), 32, triton.cdiv(V, block)))
     return triton.cdiv(triton.cdiv(V, ctas), block) * block
 
 
 def finish_warps_for(n_slots: int) -> int:
-    """Warps of step 2's CTA, by the candidate slots of a row it holds."""
-    return 4 if n_slots <= 1024 else 8
+    """Warps of step 2's CTA (4 measured no faster at 512 slots and spilled on Triton 3.9)."""
+    return 8
 
 
 def keys_per_chunk(top_k: int | None, block: int) -> int:
@@ -71,10 +76,11 @@ def keys_per_chunk(top_k: int | None, block: int) -> int:
     return int(min(kc, 256, block))
 
 
-def slots_for(kc: int) -> int:
+def slots_for(kc: int, chunks: int) -> int:
     """Candidate slots per chunk: the first guess of the threshold lands at ~1.1 k_c on random rows; twice KC
-    leaves room for ties and clustered keys before the chunk has to search."""
-    return 2 * kc
+    leaves room for ties (bf16 logits tie often near the top) before the chunk has to search. With 16 or
+    more chunks a row, step 2 holds chunks * slots candidates and its time dominates: KC slots."""
+    return kc if chunks >= 16 else 2 * kc
 
 
 def groups_for(kc: int, block: int) -> int:
@@ -359,12 +365,14 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     count, largest key, NaN flag), t_c with k_c <= count(key >= t_c) <= SLOTS where one exists
     (k_c <= KC <= GROUPS).
 
-    First guess, no search: cut the chunk into GROUPS groups (any partition will do, so Triton may keep a
-    group in one thread's registers) and take the k_c-th largest group maximum. k_c groups hold a key at or
+    First guess, no search: cut the chunk into GROUPS groups (any partition will do: here a group is a
+    run of positions of the step, over every step) and take the k_c-th largest group maximum. k_c groups hold a key at or
     above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random rows. Only a
     guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on counts."""
-    gmax = tl.full((GROUPS,), MIN_KEY, tl.int32)
-    nan = tl.zeros((), tl.int32)
+    # Per position of the step, carried across steps without any reduction (no barrier per step): the
+    # largest key and a NaN flag; a group is a set of positions, so it spans every step of the chunk.
+    kmax = tl.full((BLOCK,), MIN_KEY, tl.int32)
+    nan_any = tl.zeros((BLOCK,), tl.int1)
     m_run = tl.full((), float("-inf"), tl.float32)
     s_run = tl.zeros((), tl.float32)
     # BLOCK tokens per step, the next step's load issued before this step's work (two steps in flight)
@@ -375,10 +383,8 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
         mask = offs < end
         offs_next = offs + BLOCK
         raw_next = _load_raw(logits_ptr, row, stride_row, offs_next, offs_next < end)
-        key = tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
-        nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
-        # groups: a token's group is its position in the step's reshape; maxima carried across steps
-        gmax = tl.maximum(gmax, tl.max(tl.reshape(key, (GROUPS, BLOCK // GROUPS), can_reorder=True), axis=1))
+        kmax = tl.maximum(kmax, tl.where(mask, _key_of(raw, DTYPE), MIN_KEY))
+        nan_any |= raw != raw
         if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp, online
             x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
             m_new = tl.maximum(m_run, tl.max(x, axis=0))
@@ -389,6 +395,8 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     if ROW_SUM:
         tl.store(max_ptr + at, m_run)
         tl.store(sum_ptr + at, s_run)
+    nan = tl.max(nan_any.to(tl.int32), axis=0)
+    gmax = tl.max(tl.reshape(kmax, (GROUPS, BLOCK // GROUPS)), axis=1)
     top = tl.max(gmax, axis=0)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
@@ -653,9 +661,9 @@ def sample_triton(
     if span % block:
         raise ValueError(f"sample: span {span} must be a multiple of block {block}")
     kc = kc or keys_per_chunk(k_scalar if has_k and topk is None else None, block)
-    slots = slots or slots_for(kc)
+    slots = slots or slots_for(kc, triton.cdiv(V, span))
     groups = groups or groups_for(kc, block)
-    warps = warps or chunk_warps(block)
+    warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
     C = triton.cdiv(V, span)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
@@ -699,8 +707,8 @@ def aot_builds():
         block = chunk_block(B, V)
         span = chunk_span(B, V, block, 132)
         kc = keys_per_chunk(k, block)
-        slots = slots_for(kc)
         C = triton.cdiv(V, span)
+        slots = slots_for(kc, C)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
@@ -715,7 +723,7 @@ def aot_builds():
             SUB=min(sub_block(chunk_warps(block)), block))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
-                                  num_warps=chunk_warps(block)))
+                                  num_warps=chunk_warps(block, key_bits)))
         builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
                                   num_warps=finish_warps_for(triton.next_power_of_2(C) * slots)))
     return builds
