@@ -70,7 +70,7 @@ PLOTS = {
         rows, ax, lambda r: f"M={r['M']}", ["eager", "inductor_default", "fusekern", "bf16_cublas_unquantized"],
         "W8A16 linear, N = K = 8192"),
     "sampler": lambda rows, ax: plot_by_variant(
-        rows, ax, lambda r: f"{r['style']} B={r['B']}", ["eager", "inductor_cudagraphs", "fusekern_cudagraphs",
+        rows, ax, lambda r: f"{r['style']} B={r['B']}", ["eager", "inductor_default_graph", "fusekern_graph",
                                                           "fusekern_kernel"],
         "sampling, V = 128256 (missing bar: stock crashed)"),
 }

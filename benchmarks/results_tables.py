@@ -54,8 +54,10 @@ def decode_mm(rows: list[dict]) -> list[str]:
 
 
 def sampler(rows: list[dict]) -> list[str]:
-    cols = [("eager", "eager"), ("inductor_default", "stock compile"), ("inductor_cudagraphs", "stock + CUDA graphs"),
-            ("fusekern", "fusekern"), ("fusekern_cudagraphs", "fusekern + CUDA graphs"), ("fusekern_kernel", "kernel alone")]
+    cols = [("eager", "eager"), ("inductor_default", "stock compile"),
+            ("inductor_cudagraphs", "stock reduce-overhead"), ("inductor_default_graph", "stock, one graph"),
+            ("fusekern", "fusekern"), ("fusekern_cudagraphs", "fusekern reduce-overhead"),
+            ("fusekern_graph", "fusekern, one graph"), ("fusekern_kernel", "kernel alone")]
     by: dict = {}
     for r in rows:
         by.setdefault((r["style"], int(r["B"])), {})[r["variant"]] = r

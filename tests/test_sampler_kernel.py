@@ -2,7 +2,6 @@
 
 On CPU the Triton kernels run in the interpreter (conftest); the same tests run compiled on a GPU.
 """
-import math
 
 import pytest
 import torch

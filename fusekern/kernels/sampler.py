@@ -309,34 +309,45 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
 
 
 @triton.jit
-def _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE: tl.constexpr):
-    """A block of one row's raw logits (fp32) and their keys (MIN_KEY where masked)."""
-    raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
-    return raw, tl.where(mask, _key_of(raw, DTYPE), MIN_KEY)
+def _load_keys(logits_ptr, row, stride_row, offs, mask):
+    """Keys of a block of one row's raw logits, the key of -inf where masked (no select needed: -inf is
+    below every other key but NaN's). 16-bit floats go straight from their bits, as _key_of maps them:
+    a sign-extended b >= 0 gives b + 2**15, a negative one -1 - b, and -0 the key of +0."""
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    v = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
+    if DTYPE == tl.float32:
+        key = _key_of(v, DTYPE)
+    else:
+        b = v.to(tl.int16, bitcast=True).to(tl.int32)
+        key = tl.where(b >= 0, b + 32768, tl.where(b == -32768, 32768, -1 - b))
+    return key
 
 
 @triton.jit
 def _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS: tl.constexpr,
-                      SUB: tl.constexpr, DTYPE: tl.constexpr):
+                      SUB: tl.constexpr):
     """Writes the chunk's tokens with key >= t that fit its SLOTS (packed key << 32 | token, in token
     order) and returns how many there are (more than SLOTS: the chunk overflowed). Re-reads the chunk
-    from L1/L2 in SUB-token steps: few registers, and the slot of each token is a cumsum within one step."""
+    from L1/L2 in SUB-token steps, the next step's load in flight: few registers, and the slot of each
+    token is a cumsum within one step."""
     n = tl.zeros((), tl.int32)
+    offs = start + tl.arange(0, SUB)
+    key_next = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
     for off in range(start, end, SUB):
-        offs = off + tl.arange(0, SUB)
-        mask = offs < end
-        _, key = _raw_keys(logits_ptr, row, stride_row, offs, mask, DTYPE)
-        sel = mask & (key >= t)
+        key = key_next
+        sel = (offs < end) & (key >= t)
+        offs_next = offs + SUB
+        key_next = _load_keys(logits_ptr, row, stride_row, offs_next, offs_next < end)
         slot = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)  # tokens are < 2**30: the low word is the token
         tl.store(cand_ptr + at.to(tl.int64) * SLOTS + slot, packed, mask=sel & (slot < SLOTS))
         n += tl.sum(sel.to(tl.int32), axis=0)
+        offs = offs_next
     return n
 
 
 @triton.jit
-def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.constexpr, SUB: tl.constexpr,
-            DTYPE: tl.constexpr):
+def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.constexpr, SUB: tl.constexpr):
     """A key t in [lo, hi) with k <= count(key >= t) <= SLOTS where one exists (else the largest t with
     count >= k), by a binary search on counts over the chunk (re-read per step) that stops as soon as the
     count fits. Needs count(key >= lo) >= k and count(key >= hi) < k. The rare path of a chunk whose
@@ -349,8 +360,8 @@ def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.conste
         c = tl.zeros((), tl.int32)
         for off in range(start, end, SUB):
             offs = off + tl.arange(0, SUB)
-            _, key = _raw_keys(logits_ptr, row, stride_row, offs, offs < end, DTYPE)
-            c += tl.sum((key >= mid).to(tl.int32), axis=0)  # mid > MIN_KEY: masked keys never count
+            key = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
+            c += tl.sum(((offs < end) & (key >= mid)).to(tl.int32), axis=0)
         lo = tl.where(c >= k, mid, lo)
         hi = tl.where(c >= k, hi, mid)
         done = (c >= k) & (c <= SLOTS)
@@ -366,27 +377,27 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     (k_c <= KC <= GROUPS).
 
     First guess, no search: cut the chunk into GROUPS groups (any partition will do: here a group is a
-    run of positions of the step, over every step) and take the k_c-th largest group maximum. k_c groups hold a key at or
-    above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random rows. Only a
-    guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on counts."""
+    run of positions of the step, over every step) and take the k_c-th largest group maximum. k_c groups
+    hold a key at or above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random
+    rows. Only a guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on
+    counts."""
     # Per position of the step, carried across steps without any reduction (no barrier per step): the
-    # largest key and a NaN flag; a group is a set of positions, so it spans every step of the chunk.
+    # largest and the smallest key (a NaN's key lies beyond the infinities' keys, by its sign).
     kmax = tl.full((BLOCK,), MIN_KEY, tl.int32)
-    nan_any = tl.zeros((BLOCK,), tl.int1)
+    kmin = tl.full((BLOCK,), 2**31 - 1, tl.int32)
     m_run = tl.full((), float("-inf"), tl.float32)
     s_run = tl.zeros((), tl.float32)
     # BLOCK tokens per step, the next step's load issued before this step's work (two steps in flight)
     offs = start + tl.arange(0, BLOCK)
-    raw_next = _load_raw(logits_ptr, row, stride_row, offs, offs < end)
+    key_next = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
     for off in range(start, end, BLOCK):
-        raw = raw_next
-        mask = offs < end
+        key = key_next
         offs_next = offs + BLOCK
-        raw_next = _load_raw(logits_ptr, row, stride_row, offs_next, offs_next < end)
-        kmax = tl.maximum(kmax, tl.where(mask, _key_of(raw, DTYPE), MIN_KEY))
-        nan_any |= raw != raw
+        key_next = _load_keys(logits_ptr, row, stride_row, offs_next, offs_next < end)
+        kmax = tl.maximum(kmax, key)
+        kmin = tl.minimum(kmin, key)
         if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp, online
-            x = tl.where(mask, _scale(raw, temperature, DTYPE), float("-inf"))
+            x = _scale(_x_of_key(key, DTYPE), temperature, DTYPE)  # -inf where masked
             m_new = tl.maximum(m_run, tl.max(x, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: the sum stays 0
             s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
@@ -395,15 +406,16 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     if ROW_SUM:
         tl.store(max_ptr + at, m_run)
         tl.store(sum_ptr + at, s_run)
-    nan = tl.max(nan_any.to(tl.int32), axis=0)
+    inf = tl.full((), float("inf"), tl.float32)
+    nan = ((tl.max(kmax, axis=0) > _key_of(inf, DTYPE)) | (tl.min(kmin, axis=0) < _key_of(-inf, DTYPE))).to(tl.int32)
     gmax = tl.max(tl.reshape(kmax, (GROUPS, BLOCK // GROUPS)), axis=1)
     top = tl.max(gmax, axis=0)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
-    n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB, DTYPE)
+    n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
     if n > SLOTS:
-        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, SLOTS, SUB, DTYPE)
-        n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB, DTYPE)
+        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, SLOTS, SUB)
+        n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
     return t, n, top, nan
 
 
