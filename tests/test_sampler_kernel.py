@@ -205,6 +205,25 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="empty vocabulary"):
         S.sample_triton(logits[:, :0], 1.0, 5, seed=seed_tensor())
     assert S.sample_triton(logits[:0], 1.0, 5, seed=seed_tensor()).shape == (0,)
+    # tuning overrides: powers of two, kc <= groups <= block, span a positive multiple of block
+    with pytest.raises(ValueError, match="slots must be a power of two"):
+        S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), slots=48)
+    with pytest.raises(ValueError, match="kc <= groups <= block"):
+        S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), block=16, kc=32)
+    with pytest.raises(ValueError, match="multiple of block"):
+        S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), block=16, span=24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("filters", [dict(min_p=0.2), dict(top_p=0.7), dict(min_p=0.05, top_p=0.9)], ids=str)
+def test_vocabulary_smaller_than_the_keys_per_chunk(dtype, filters):
+    """V < KC without top-k: every chunk's threshold is the key of -inf (all its tokens are candidates), and
+    step 2 must not derive its bound from the key just below it (a NaN's, whose sign the GPU drops)."""
+    B, V = 3, 40
+    logits = make_logits(B, V, dtype, seed=5, scale=1.5)
+    q = exp_noise(B, V, seed=6)
+    out = S.sample_triton(logits, 0.9, seed=seed_tensor(), noise=q, **filters)
+    assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **filters).tolist()
 
 
 def test_strided_rows():
@@ -225,6 +244,8 @@ def test_size_heuristics():
     assert S.chunk_span(5, 300, 128, 132) == 128
     assert S.keys_per_chunk(50, 2048) == 64 and S.keys_per_chunk(1, 2048) == 16 and S.keys_per_chunk(None, 2048) == 64
     assert S.keys_per_chunk(5000, 2048) == 256 and S.keys_per_chunk(50, 32) == 32  # never more than a step
-    assert S.slots_for(64, 32) == 64 and S.slots_for(64, 4) == 128
+    # KC slots only with many chunks and a scalar top-k that leaves room for ties (k_c = KC never fits KC)
+    assert S.slots_for(64, 32, 50) == 64 and S.slots_for(64, 32) == 128 and S.slots_for(64, 32, 60) == 128
+    assert S.slots_for(64, 4, 50) == 128
     assert S.groups_for(64, 2048) == 256 and S.groups_for(64, 128) == 128
     assert S.kept_block(64) == 64 and S.kept_block(1024) == 128 and S.kept_block(4) == 16

@@ -76,11 +76,14 @@ def keys_per_chunk(top_k: int | None, block: int) -> int:
     return int(min(kc, 256, block))
 
 
-def slots_for(kc: int, chunks: int) -> int:
+def slots_for(kc: int, chunks: int, top_k: int | None = None) -> int:
     """Candidate slots per chunk: the first guess of the threshold lands at ~1.1 k_c on random rows; twice KC
     leaves room for ties (bf16 logits tie often near the top) before the chunk has to search. With 16 or
-    more chunks a row, step 2 holds chunks * slots candidates and its time dominates: KC slots."""
-    return kc if chunks >= 16 else 2 * kc
+    more chunks a row, step 2 holds chunks * slots candidates and its time dominates: KC slots, when a
+    scalar top-k leaves them a quarter of k for ties (without one, k_c = KC would have to fit exactly)."""
+    if chunks >= 16 and top_k is not None and top_k + top_k // 4 <= kc:
+        return kc
+    return 2 * kc
 
 
 def groups_for(kc: int, block: int) -> int:
@@ -378,9 +381,10 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
 
     First guess, no search: cut the chunk into GROUPS groups (any partition will do: here a group is a
     run of positions of the step, over every step) and take the k_c-th largest group maximum. k_c groups
-    hold a key at or above it, so count >= k_c; with several groups per wanted key it is ~1.1 k_c on random
-    rows. Only a guess that overflows the slots (clustered or tied keys) is narrowed by a binary search on
-    counts."""
+    hold a key at or above it, so count >= k_c (masked lanes read -inf: in a chunk with fewer than k_c
+    groups of tokens the guess is the key of -inf, every token); with several groups per wanted key it is
+    ~1.1 k_c on random rows. Only a guess that overflows the slots (clustered or tied keys) is narrowed by
+    a binary search on counts."""
     # Per position of the step, carried across steps without any reduction (no barrier per step): the
     # largest and the smallest key (a NaN's key lies beyond the infinities' keys, by its sign).
     kmax = tl.full((BLOCK,), MIN_KEY, tl.int32)
@@ -456,7 +460,10 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
         exact = tl.max(cnt, axis=0) <= SLOTS  # no chunk overflowed its slots
         # Every token with raw key >= raw_t is a candidate. In x's keys: every token whose x key is >= T,
         # T = 1 + the key of x just below raw_t (x rounds: several raw logits can share one x).
-        lowest = 0 if KEY_BITS == 16 else MIN_KEY
+        # At or below the key of -inf (a chunk with fewer groups than k_c holding a finite key) every
+        # token is a candidate: raw_t - 1 would be a NaN's key, and a NaN's sign does not survive the
+        # division on the GPU.
+        lowest = _key_of(tl.full((), float("-inf"), tl.float32), DTYPE)
         below = _scale(_x_of_key(tl.maximum(raw_t - 1, lowest), DTYPE), temperature, DTYPE)
         T = tl.where(raw_t > lowest, _key_of(below, DTYPE) + 1, MIN_KEY)
         j = tl.arange(0, C_BLOCK * SLOTS)
@@ -634,10 +641,11 @@ def sample_triton(
     element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
     advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
-    compared exactly with the reference given the same draws. ``block``: tokens per chunk; ``slots``:
-    candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a chunk's CTA;
-    ``span``: tokens per chunk (a multiple of ``block``, the tokens per step); ``kc``, ``groups``: keys per chunk and groups of the first threshold guess; ``finish_warps``: of step 2's
-    CTA (tuning knobs: the defaults come from the heuristics above).
+    compared exactly with the reference given the same draws. Tuning knobs (defaults from the heuristics
+    above): ``block``: tokens per step of a chunk; ``span``: tokens per chunk (a multiple of ``block``);
+    ``slots``: candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a
+    chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
+    kc <= groups <= block); ``finish_warps``: of step 2's CTA.
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -670,11 +678,17 @@ def sample_triton(
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
     block = block or chunk_block(B, V)
     span = span or chunk_span(B, V, block, sm_count(dev))
-    if span % block:
+    if span <= 0 or span % block:
         raise ValueError(f"sample: span {span} must be a multiple of block {block}")
-    kc = kc or keys_per_chunk(k_scalar if has_k and topk is None else None, block)
-    slots = slots or slots_for(kc, triton.cdiv(V, span))
+    scalar_k = k_scalar if has_k and topk is None else None
+    kc = kc or keys_per_chunk(scalar_k, block)
+    slots = slots or slots_for(kc, triton.cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
+    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"sample: {name} must be a power of two, got {value}")
+    if not kc <= groups <= block:
+        raise ValueError(f"sample: need kc <= groups <= block, got {kc}, {groups}, {block}")
     warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
     C = triton.cdiv(V, span)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
@@ -720,7 +734,7 @@ def aot_builds():
         span = chunk_span(B, V, block, 132)
         kc = keys_per_chunk(k, block)
         C = triton.cdiv(V, span)
-        slots = slots_for(kc, C)
+        slots = slots_for(kc, C, k)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
@@ -732,7 +746,7 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(chunk_warps(block)), block))
+            SUB=min(sub_block(chunk_warps(block, key_bits)), block))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block, key_bits)))
