@@ -63,9 +63,7 @@ def chunk_span(B: int, V: int, block: int, sms: int) -> int:
     return triton.cdiv(triton.cdiv(V, ctas), block) * block
 
 
-def finish_warps_for(n_slots: int) -> int:
-    """Warps of step 2's CTA (4 measured no faster at 512 slots and spilled on Triton 3.9)."""
-    return 8
+FINISH_WARPS = 8  # of step 2's CTA: 4 measured no faster at 512 slots and spilled on Triton 3.9
 
 
 def keys_per_chunk(top_k: int | None, block: int) -> int:
@@ -114,9 +112,15 @@ def _key_of(x, DTYPE: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     else:
-        bits = x.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        key = tl.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+        key = _key_of_bits16(x.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32))
     return key
+
+
+@triton.jit
+def _key_of_bits16(b):
+    """The key of a 16-bit float from its sign-extended bits b: b + 2**15 for b >= 0, -1 - b below (the
+    bits' order reversed), and -0 the key of +0."""
+    return tl.where(b >= 0, b + 32768, tl.where(b == -32768, 32768, -1 - b))
 
 
 @triton.jit
@@ -314,15 +318,13 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
 @triton.jit
 def _load_keys(logits_ptr, row, stride_row, offs, mask):
     """Keys of a block of one row's raw logits, the key of -inf where masked (no select needed: -inf is
-    below every other key but NaN's). 16-bit floats go straight from their bits, as _key_of maps them:
-    a sign-extended b >= 0 gives b + 2**15, a negative one -1 - b, and -0 the key of +0."""
+    below every other key but NaN's). 16-bit floats go straight from their bits (no float round trip)."""
     DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     v = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
     if DTYPE == tl.float32:
         key = _key_of(v, DTYPE)
     else:
-        b = v.to(tl.int16, bitcast=True).to(tl.int32)
-        key = tl.where(b >= 0, b + 32768, tl.where(b == -32768, 32768, -1 - b))
+        key = _key_of_bits16(v.to(tl.int16, bitcast=True).to(tl.int32))
     return key
 
 
@@ -715,7 +717,7 @@ def sample_triton(
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
-                         num_warps=finish_warps or finish_warps_for(meta["C_BLOCK"] * slots))
+                         num_warps=finish_warps or FINISH_WARPS)
     return out
 
 
@@ -751,7 +753,7 @@ def aot_builds():
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block, key_bits)))
         builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
-                                  num_warps=finish_warps_for(triton.next_power_of_2(C) * slots)))
+                                  num_warps=FINISH_WARPS))
     return builds
 
 
