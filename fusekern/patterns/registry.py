@@ -27,8 +27,11 @@ log = logging.getLogger("fusekern")
 
 FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
 STAGES = ("post_grad", "joint")
-BUILTIN_MODULES = ("fusekern.patterns.dequant_matmul", "fusekern.patterns.sampling",
-                   "fusekern.patterns.sampling_greedy")
+# Order is priority within a stage. Scale folding comes first: it declines weight-only forms (16-bit
+# activation, 8-bit or decoded weight) so the dequant family still sees them, and it must take W8A8
+# forms before the structural decode rewrite would read them as weight-only.
+BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.dequant_matmul",
+                   "fusekern.patterns.sampling", "fusekern.patterns.sampling_greedy")
 ENTRY_POINT_GROUP = "fusekern.patterns"
 
 # Relative-error tolerances (||out - ref|| / ||ref||) by the least precise float dtype a computation

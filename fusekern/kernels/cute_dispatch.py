@@ -1,0 +1,44 @@
+"""Route a scaled GEMM to the CuTe DSL kernel when it is installed, on Hopper, and takes the arguments.
+
+Kept apart from ``scaled_mm`` so that importing the Triton path never imports cutlass (seconds), and so
+that a missing or broken CuTe install degrades to the Triton kernel instead of failing the op.
+``FUSEKERN_CUTE=0`` turns the route off (A/B benchmarks, debugging).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("fusekern")
+
+
+@functools.cache
+def _module():
+    if os.environ.get("FUSEKERN_CUTE", "1") == "0":
+        return None
+    try:
+        from fusekern.kernels import cute_scaled_mm
+    except Exception as e:  # cutlass missing or incompatible: the Triton kernel serves every case
+        log.info("fusekern: CuTe DSL kernels unavailable (%s: %s); using Triton", type(e).__name__, e)
+        return None
+    return cute_scaled_mm
+
+
+def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
+    """The CuTe kernel's result, or None when it does not apply (the caller then uses Triton)."""
+    mod = _module()
+    if mod is None:
+        return None
+    if a_block is not None and (group_n, group_k) != (128, 128):
+        return None
+    kwargs = dict(row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype, a_block=a_block, b_block=b_block)
+    if mod.supports(a, b, **kwargs) is not None:
+        return None
+    return mod.cute_scaled_mm(a, b, **kwargs)
+
+
+def cute_available() -> bool:
+    return _module() is not None and torch.cuda.is_available()

@@ -1,0 +1,812 @@
+"""Scaled GEMM for Hopper (sm_90a) in the CuTe DSL, with a composable epilogue.
+
+    out[m, n] = cast( (sum_k a[m, k] * b[n, k]) * row[m] * col[n] + bias[n] + residual[m, n] )
+
+a [M, K] and b [N, K] are both K-major (row-major), fp8 e4m3 / bf16 / fp16; fp32 accumulation and fp32
+epilogue math; every epilogue input is optional.
+
+Design
+------
+* Warp specialization. One producer warpgroup (only its first warp works) issues TMA loads of A and B
+  tiles into an ``ab_stage``-deep shared-memory ring guarded by mbarriers (``PipelineTmaAsync``);
+  ``tile_m / 64`` consumer warpgroups (1 or 2) run WGMMA on the ring and then the epilogue. The producer
+  gives its registers away (``setmaxnreg``) so the consumers can hold a 128x256 fp32 accumulator.
+* Persistent tiles. The grid is ``min(#tiles, #SMs)`` CTAs (the SM count is a runtime argument, so one
+  build serves any Hopper part); each CTA walks output tiles with ``StaticPersistentTileScheduler``.
+* Runtime shapes. M, N, K and the row strides are runtime values in the compiled kernel (fake tensors
+  with symbolic sizes at compile time), so a new batch size never recompiles. TMA zero-fills
+  out-of-bounds loads (M, N and K tails) and clips out-of-bounds stores (the output goes through a
+  TMA store); epilogue loads clamp their indices so they never leave the tensors.
+* Composable epilogue. After the main loop the accumulator is walked in slices (one TMA-store
+  sub-tile each). Each piece (row scale, col scale, bias, residual) is a small function applied per
+  element of a slice and enabled by a compile-time flag: whether that tensor was ``None`` when the
+  kernel was compiled. There is one kernel body; a combination of flags is one specialization.
+* Rematerialization. The epilogue re-derives its tile's coordinates from the scheduler (block index
+  and tiles done) instead of keeping the origin of the tile live across the K loop.
+* Compile once. ``cute.compile`` runs once per specialization (``KernelConfig``) and the result is
+  kept in ``_COMPILED``; calls marshal torch tensors with ``from_dlpack`` (a few µs each) and never
+  re-trace. ``aot_compile_sm90a`` builds the same specializations for sm_90a on a machine without a
+  GPU and reads their registers and spills.
+* DeepSeek-style block scales (``a_block`` / ``b_block``) are not implemented: ``supports`` says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import threading
+from typing import Optional
+
+import torch
+
+try:  # the CuTe DSL is optional: without it `supports` gives the reason and nothing compiles
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils as utils
+    import cutlass.memory
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.cute.runtime import from_dlpack, make_fake_stream, make_fake_tensor
+
+    _CUTLASS_ERROR: Optional[str] = None
+except Exception as exc:  # noqa: BLE001 - any import failure means "kernel unavailable"
+    _CUTLASS_ERROR = f"CUTLASS DSL not importable ({type(exc).__name__}: {exc})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Specializations
+# --------------------------------------------------------------------------------------------------
+
+_AB_DTYPES = {torch.float8_e4m3fn: "f8e4m3", torch.bfloat16: "bf16", torch.float16: "f16"}
+_OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_BIAS_DTYPES = _OUT_DTYPES
+_TILES = ((64, 64), (64, 128), (128, 128), (128, 256))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Everything that selects one compiled kernel (the cache key)."""
+
+    ab: str  # "f8e4m3" | "bf16" | "f16"
+    out: str  # "bf16" | "f16" | "f32"
+    tile_m: int  # 64 (one consumer warpgroup) or 128 (two)
+    tile_n: int  # 64, 128 or 256
+    has_row: bool = False
+    has_col: bool = False
+    bias: Optional[str] = None  # bias dtype, None when there is no bias
+    has_residual: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.ab}_{self.out}_{self.tile_m}x{self.tile_n}"]
+        parts += [flag for flag, on in (("row", self.has_row), ("col", self.has_col)) if on]
+        if self.bias:
+            parts.append(f"bias{self.bias}")
+        if self.has_residual:
+            parts.append("res")
+        return "_".join(parts)
+
+
+def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+    """(tile_m, tile_n) for an M x N output.
+
+    Hopper's WGMMA has no M below 64, so a small batch takes a 64-row tile (one consumer warpgroup);
+    when the N tiles alone cannot fill the SMs, a narrower N tile makes more CTAs. Large problems take
+    128x256 (two consumer warpgroups, 128 accumulator registers each) when that still gives every SM
+    a tile, else 128x128.
+    """
+    if m <= 64:
+        return (64, 64) if math.ceil(n / 128) < num_sms else (64, 128)
+    if math.ceil(m / 128) * math.ceil(n / 256) >= num_sms:
+        return 128, 256
+    return 128, 128
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------------
+
+_INT32_MAX = 2**31 - 1
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta"
+
+
+def _check_kmajor_operand(name: str, t: torch.Tensor) -> Optional[str]:
+    """A or B: 2-D, unit K stride, 16-byte aligned rows (TMA needs both)."""
+    if t.dim() != 2:
+        return f"{name} must be 2-D, got {t.dim()}-D"
+    if t.stride(1) != 1:
+        return f"{name} is not K-major (stride {tuple(t.stride())})"
+    if (t.stride(0) * t.element_size()) % 16 != 0:
+        return f"{name}'s row stride is not a multiple of 16 bytes"
+    if (t.shape[1] * t.element_size()) % 16 != 0:
+        return f"K * element size of {name} is not a multiple of 16 bytes"
+    if not _is_fake(t) and t.data_ptr() % 16 != 0:
+        return f"{name}'s base pointer is not 16-byte aligned"
+    return None
+
+
+def _check_vector(name: str, t: torch.Tensor, length: int, dtypes) -> Optional[str]:
+    if t.dtype not in dtypes:
+        return f"{name} dtype {t.dtype} not supported"
+    if t.dim() != 1 or t.shape[0] != length:
+        return f"{name} must have shape [{length}], got {tuple(t.shape)}"
+    if t.stride(0) != 1:
+        return f"{name} must be contiguous"
+    return None
+
+
+def _check_epilogue(m, n, out_dtype, row, col, bias, residual) -> Optional[str]:
+    if row is not None and (reason := _check_vector("row", row, m, (torch.float32,))):
+        return reason
+    if col is not None and (reason := _check_vector("col", col, n, (torch.float32,))):
+        return reason
+    if bias is not None and (reason := _check_vector("bias", bias, n, tuple(_BIAS_DTYPES))):
+        return reason
+    if residual is not None:
+        if residual.dtype != out_dtype:
+            return f"residual dtype {residual.dtype} must equal out_dtype {out_dtype}"
+        if residual.dim() != 2 or tuple(residual.shape) != (m, n):
+            return f"residual must have shape [{m}, {n}], got {tuple(residual.shape)}"
+        if residual.stride(1) != 1:
+            return "residual needs a unit last stride"
+    return None
+
+
+def _check_device(tensors) -> Optional[str]:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(map(str, devices))}"
+    device = devices.pop()
+    if device.type != "cuda":
+        return f"tensors are on {device.type}, not CUDA"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"needs sm_90 (Hopper), device is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    return None
+
+
+def _supports(a, b, row, col, bias, residual, out_dtype, a_block, b_block) -> Optional[str]:
+    if _CUTLASS_ERROR is not None:
+        return _CUTLASS_ERROR
+    if a_block is not None or b_block is not None:
+        return "block scales (a_block/b_block) are not implemented in this kernel"
+    if a.dtype not in _AB_DTYPES or b.dtype != a.dtype:
+        return f"a/b dtypes {a.dtype}/{b.dtype} not supported (both fp8 e4m3, bf16 or fp16)"
+    if out_dtype not in _OUT_DTYPES:
+        return f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)"
+    for name, t in (("a", a), ("b", b)):
+        if reason := _check_kmajor_operand(name, t):
+            return reason
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        return f"K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}"
+    if k == 0 or n == 0:
+        return "empty K or N"
+    if max(m, n, k) > _INT32_MAX:
+        return "a dimension exceeds 2**31 - 1 (CuTe layouts are 32-bit)"
+    if (n * torch.empty((), dtype=out_dtype).element_size()) % 16 != 0:
+        return "N * output element size is not a multiple of 16 bytes (TMA store rows)"
+    if reason := _check_epilogue(m, n, out_dtype, row, col, bias, residual):
+        return reason
+    present = [t for t in (a, b, row, col, bias, residual) if t is not None]
+    return _check_device(present)
+
+
+def supports(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, a_block=None,
+             b_block=None) -> Optional[str]:
+    """None when ``cute_scaled_mm`` handles these arguments, else a short reason.
+
+    Works on CPU, meta and fake tensors and never raises. For fake tensors the base pointers are
+    unknown, so their alignment is checked only when the kernel is called.
+    """
+    try:
+        return _supports(a, b, row, col, bias, residual, out_dtype, a_block, b_block)
+    except Exception as exc:  # noqa: BLE001 - e.g. symbolic sizes that cannot be decided
+        return f"cannot check arguments ({type(exc).__name__}: {exc})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype,
+                        a_block=None, b_block=None) -> torch.Tensor:
+    """The semantics in plain PyTorch, computed in float64 (block scales included)."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    if a_block is not None or b_block is not None:
+        acc = _block_scaled_product(a64, b64, a_block, b_block)
+    else:
+        acc = a64 @ b64.T
+    if row is not None:
+        acc = acc * row.to(torch.float64)[:, None]
+    if col is not None:
+        acc = acc * col.to(torch.float64)[None, :]
+    if bias is not None:
+        acc = acc + bias.to(torch.float64)[None, :]
+    if residual is not None:
+        acc = acc + residual.to(torch.float64)
+    return acc.to(out_dtype)
+
+
+def _block_scaled_product(a64, b64, a_block, b_block, block: int = 128):
+    """sum over 128-wide K blocks kb of (a[:, kb] @ b[:, kb].T) * a_block[m, kb] * b_block[n // 128, kb]."""
+    m, k = a64.shape
+    n = b64.shape[0]
+    ones_a = torch.ones(m, math.ceil(k / block), dtype=torch.float64, device=a64.device)
+    ones_b = torch.ones(math.ceil(n / block), math.ceil(k / block), dtype=torch.float64, device=a64.device)
+    sa = ones_a if a_block is None else a_block.to(torch.float64)
+    sb = ones_b if b_block is None else b_block.to(torch.float64)
+    sb_rows = sb.repeat_interleave(block, dim=0)[:n]  # [N, KB]
+    acc = torch.zeros(m, n, dtype=torch.float64, device=a64.device)
+    for kb in range(math.ceil(k / block)):
+        part = a64[:, kb * block:(kb + 1) * block] @ b64[:, kb * block:(kb + 1) * block].T
+        acc += part * sa[:, kb:kb + 1] * sb_rows[:, kb][None, :]
+    return acc
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+if _CUTLASS_ERROR is None:
+    _CUTE_DTYPES = {
+        "f8e4m3": cutlass.Float8E4M3FN,
+        "bf16": cutlass.BFloat16,
+        "f16": cutlass.Float16,
+        "f32": cutlass.Float32,
+    }
+
+    class _ScaledMmKernel:
+        """One specialization of the warp-specialized persistent scaled GEMM (see module docstring)."""
+
+        threads_per_warpgroup = 128
+        producer_registers = 40  # the TMA warpgroup only computes addresses
+        consumer_registers = 232  # 2 x 128 x 232 + 128 x 40 <= 64K registers per SM
+        smem_bytes = 232448 - 1024  # sm_90 opt-in shared memory, less the mbarrier area
+
+        def __init__(self, config: KernelConfig):
+            self.config = config
+            self.ab_dtype = _CUTE_DTYPES[config.ab]
+            self.out_dtype = _CUTE_DTYPES[config.out]
+            self.acc_dtype = cutlass.Float32
+            self.num_consumers = config.tile_m // 64  # one 64-row WGMMA slab per consumer warpgroup
+            self.num_threads = (1 + self.num_consumers) * self.threads_per_warpgroup
+            self.num_mma_threads = self.num_consumers * self.threads_per_warpgroup
+            self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+        # ---- static setup (host side, trace time) ------------------------------------------------
+
+        def _setup_tiles(self):
+            cfg = self.config
+            k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
+                (self.num_consumers, 1, 1), tiler_mn=(64, cfg.tile_n),
+            )
+            # Four WGMMA K-steps per stage: K tile 64 for 16-bit inputs, 128 for fp8.
+            tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
+            self.tile_mnk = (cfg.tile_m, cfg.tile_n, tile_k)
+            # TMA-store sub-tile: all rows of the tile, 32 columns (one slice of the accumulator).
+            self.epi_tile = (cfg.tile_m, min(32, cfg.tile_n))
+            self.epi_stage = 4 if self.out_dtype.width == 16 else 2
+            ab_bytes = (cfg.tile_m + cfg.tile_n) * tile_k * self.ab_dtype.width // 8
+            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+            self.ab_stage = min(8, (self.smem_bytes - epi_bytes) // ab_bytes)
+            self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
+            self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
+            self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
+
+        @staticmethod
+        def _staged_smem_layout(tile_shape, dtype, stages):
+            """Swizzled (rows, contiguous, stage) layout for a row-major tile, as WGMMA/TMA want it."""
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, tile_shape[1]), dtype
+            )
+            return cute.tile_to_shape(atom, cute.append(tile_shape, stages), order=(0, 1, 2))
+
+        # ---- host entry ----------------------------------------------------------------------------
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,
+            mB: cute.Tensor,
+            mD: cute.Tensor,
+            mRow: Optional[cute.Tensor],
+            mCol: Optional[cute.Tensor],
+            mBias: Optional[cute.Tensor],
+            mRes: Optional[cute.Tensor],
+            num_sms: cutlass.Int32,
+            stream: cuda.CUstream,
+        ):
+            self._setup_tiles()  # MMA atoms need the target arch: only known inside the compile
+            tile_mk = (self.tile_mnk[0], self.tile_mnk[2])
+            tile_nk = (self.tile_mnk[1], self.tile_mnk[2])
+            g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mA, cute.slice_(self.a_smem_staged, (None, None, 0)), tile_mk)
+            tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mB, cute.slice_(self.b_smem_staged, (None, None, 0)), tile_nk)
+            tma_d, tma_mD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+                cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile)
+
+            tiles = cute.zipped_divide(mD, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
+            tiles_mn = tiles[(0, (None, None))].shape
+            sched_params = utils.PersistentTileSchedulerParams((*tiles_mn, 1), (1, 1, 1))
+            grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, num_sms)
+
+            @cute.struct
+            class SharedStorage:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+                sD: cute.struct.Align[
+                    cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD, mD,
+                mRow, mCol, mBias, mRes, self.tiled_mma, sched_params,
+                self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+            ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1),
+                     min_blocks_per_mp=1, stream=stream)
+
+        # ---- device kernel -------------------------------------------------------------------------
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom,
+            mA: cute.Tensor,
+            tma_b: cute.CopyAtom,
+            mB: cute.Tensor,
+            tma_d: cute.CopyAtom,
+            mD_tma: cute.Tensor,
+            mD: cute.Tensor,
+            mRow: Optional[cute.Tensor],
+            mCol: Optional[cute.Tensor],
+            mBias: Optional[cute.Tensor],
+            mRes: Optional[cute.Tensor],
+            tiled_mma: cute.TiledMma,
+            sched_params: utils.PersistentTileSchedulerParams,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            epi_smem_staged: cute.ComposedLayout,
+        ):
+            # Layouts built on the host side arrive as arguments: IR values cannot cross into the kernel.
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            warpgroup = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+
+            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+            ab_pipeline = self._make_ab_pipeline(storage.ab_barriers.data_ptr(), a_smem_staged, b_smem_staged)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if warpgroup == 0:
+                cute.arch.setmaxregister_decrease(self.producer_registers)
+                if warp_idx == 0:
+                    self._produce(ab_pipeline, tma_a, mA, tma_b, mB, sA, sB, sched_params)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_registers)
+                self._consume(ab_pipeline, tiled_mma, sA, sB, sD, mA, tma_d, mD_tma, mD,
+                              mRow, mCol, mBias, mRes, sched_params, tidx, warp_idx)
+
+        def _make_ab_pipeline(self, barrier_ptr, a_smem_staged, b_smem_staged):
+            """Full/empty mbarrier ring: TMA transaction bytes complete 'full', consumer warps 'empty'."""
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+            tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barrier_ptr,
+                num_stages=self.ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+
+        # ---- producer: TMA loads --------------------------------------------------------------------
+
+        @cute.jit
+        def _produce(self, ab_pipeline, tma_a, mA, tma_b, mB, sA, sB, sched_params):
+            gA = cute.local_tile(mA, (self.tile_mnk[0], self.tile_mnk[2]), (None, None))  # (bM,bK,RM,RK)
+            gB = cute.local_tile(mB, (self.tile_mnk[1], self.tile_mnk[2]), (None, None))  # (bN,bK,RN,RK)
+            one_cta = cute.make_layout(1)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a, 0, one_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, one_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            k_tiles = cute.size(gA, mode=[3])
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            while work.is_valid_tile:
+                tile = work.tile_idx
+                tAgA_tile = tAgA[(None, tile[0], None)]
+                tBgB_tile = tBgB[(None, tile[1], None)]
+                state.reset_count()
+                for _k in range(k_tiles):
+                    ab_pipeline.producer_acquire(state)
+                    full = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA_tile[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=full)
+                    cute.copy(tma_b, tBgB_tile[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=full)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipeline.producer_tail(state)
+
+        # ---- consumers: WGMMA main loop + epilogue -----------------------------------------------------
+
+        @cute.jit
+        def _consume(self, ab_pipeline, tiled_mma, sA, sB, sD, mA, tma_d, mD_tma, mD,
+                     mRow, mCol, mBias, mRes, sched_params, tidx, warp_idx):
+            mma_tidx = tidx - self.threads_per_warpgroup
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
+            acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            k_tiles = cute.ceil_div(mA.shape[1], self.tile_mnk[2])
+
+            # Register -> shared copy of one epilogue slice (stmatrix for 16-bit outputs).
+            r2s = self._make_r2s_copy(tiled_mma)
+            thr_r2s = r2s.get_slice(mma_tidx)
+            tRS_sD = thr_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
+            tRS_acc = r2s.retile(acc)
+            # Coordinates (inside the slice) of each register of a slice: what the epilogue pieces index.
+            tRS_coord = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
+            slice_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+            slice_f32 = cute.make_rmem_tensor(slice_shape, self.acc_dtype)
+            slice_out = cute.make_rmem_tensor(slice_shape, self.out_dtype)
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            )
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            while work.is_valid_tile:
+                read_state, release_state = self._mainloop(
+                    ab_pipeline, tiled_mma, tCrA, tCrB, acc, k_tiles, read_state, release_state)
+                # Rematerialize: the tile's coordinates come back from the scheduler here, after the
+                # K loop, rather than living in registers through it.
+                tile = sched.get_current_work().tile_idx
+                self._epilogue(tile, acc, tRS_acc, tRS_coord, slice_f32, slice_out, r2s, tRS_sD, sD,
+                               tma_d, mD_tma, mD, mRow, mCol, mBias, mRes, store_pipeline,
+                               sched.num_tiles_executed, warp_idx)
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            store_pipeline.producer_tail()
+
+        @cute.jit
+        def _mainloop(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, k_tiles, read_state, release_state):
+            """acc = sum over K tiles, one WGMMA batch kept in flight while the next stage is awaited.
+
+            Returns the advanced pipeline states: the caller's loop must carry the new values.
+            """
+            read_state.reset_count()
+            release_state.reset_count()
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            # First K tile: nothing older to release yet.
+            ab_pipeline.consumer_wait(read_state)
+            self._mma_stage(tiled_mma, tCrA, tCrB, acc, read_state.index)
+            cute.nvgpu.warpgroup.commit_group()
+            read_state.advance()
+            for _k in range(1, k_tiles):
+                ab_pipeline.consumer_wait(read_state)
+                self._mma_stage(tiled_mma, tCrA, tCrB, acc, read_state.index)
+                cute.nvgpu.warpgroup.commit_group()
+                # At most this batch in flight: the previous stage has been read and can be refilled.
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def _mma_stage(self, tiled_mma, tCrA, tCrB, acc, stage):
+            for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                coord = (None, None, kk, stage)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+
+        def _make_r2s_copy(self, tiled_mma):
+            store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype)
+            stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
+            return cute.make_tiled_copy_S(store_op, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+
+        # ---- epilogue --------------------------------------------------------------------------------
+
+        @cute.jit
+        def _epilogue(self, tile, acc, tRS_acc, tRS_coord, slice_f32, slice_out, r2s, tRS_sD, sD,
+                      tma_d, mD_tma, mD, mRow, mCol, mBias, mRes, store_pipeline, tiles_done, warp_idx):
+            """Walk the accumulator slice by slice: epilogue pieces, cast, registers -> smem -> TMA store."""
+            gD = cute.local_tile(mD_tma, (self.tile_mnk[0], self.tile_mnk[1]), (tile[0], tile[1]))
+            gD_slices = cute.zipped_divide(gD, self.epi_tile)  # ((epiM, epiN), (slicesM, slicesN))
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_slices)
+            num_slices = cute.size(gD_slices, mode=[1])
+            slice_grid = cute.make_layout(gD_slices.shape[1], stride=(gD_slices.shape[1][1], 1))
+            slice_size = cute.size(slice_f32)
+            rows, cols = mD.shape[0], mD.shape[1]
+            tile_row0 = tile[0] * self.tile_mnk[0]
+            tile_col0 = tile[1] * self.tile_mnk[1]
+            for s in cutlass.range_constexpr(num_slices):
+                for v in cutlass.range_constexpr(slice_size):
+                    slice_f32[v] = tRS_acc[s * slice_size + v]
+                slice_mn = slice_grid.get_hier_coord(s)
+                row0 = tile_row0 + slice_mn[0] * self.epi_tile[0]
+                col0 = tile_col0 + slice_mn[1] * self.epi_tile[1]
+                self._visit_slice(slice_f32, tRS_coord, row0, col0, rows, cols, mRow, mCol, mBias, mRes)
+                slice_out.store(slice_f32.load().to(self.out_dtype))
+
+                buffer = (tiles_done * num_slices + s) % self.epi_stage
+                cute.copy(r2s, slice_out, tRS_sD[(None, None, None, buffer)])
+                # Make the generic-proxy smem writes visible to the TMA (async proxy) before it reads.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epilogue_barrier.arrive_and_wait()
+                if warp_idx == 4:  # first consumer warp issues the store
+                    cute.copy(tma_d, bSG_sD[(None, buffer)], bSG_gD[(None, slice_mn)])
+                    store_pipeline.producer_commit()
+                    store_pipeline.producer_acquire()
+                self.epilogue_barrier.arrive_and_wait()
+
+        @cute.jit
+        def _visit_slice(self, frag, coords, row0, col0, rows, cols, mRow, mCol, mBias, mRes):
+            """Apply the enabled epilogue pieces to every fp32 value of one accumulator slice.
+
+            Out-of-range rows/columns (tile tails) read a clamped, valid index; the TMA store clips them.
+            """
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                coord = coords[i]
+                m = cutlass.min(row0 + coord[0], rows - 1)
+                n = cutlass.min(col0 + coord[1], cols - 1)
+                value = frag[i]
+                value = _scale_by_row(value, mRow, m)
+                value = _scale_by_col(value, mCol, n)
+                value = _add_bias(value, mBias, n)
+                value = _add_residual(value, mRes, m, n)
+                frag[i] = value
+
+    # Epilogue pieces. Each is a no-op at trace time when its tensor is None (the compile-time flag),
+    # so a specialization contains exactly the pieces it was compiled with.
+
+    def _scale_by_row(value, mRow, m):
+        return value if mRow is None else value * mRow[m]
+
+    def _scale_by_col(value, mCol, n):
+        return value if mCol is None else value * mCol[n]
+
+    def _add_bias(value, mBias, n):
+        return value if mBias is None else value + mBias[n].to(cutlass.Float32)
+
+    def _add_residual(value, mRes, m, n):
+        return value if mRes is None else value + mRes[m, n].to(cutlass.Float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compilation and cache
+# --------------------------------------------------------------------------------------------------
+
+_COMPILED: dict = {}  # (KernelConfig, arch) -> compiled kernel
+_COMPILE_LOCK = threading.Lock()
+
+
+def _fake_matrix(dtype, align):
+    """[rows, cols] with runtime rows, cols and row stride, unit last stride."""
+    width = dtype.width // 8
+    return make_fake_tensor(
+        dtype, (cute.sym_int32(), cute.sym_int32()),
+        (cute.sym_int64(divisibility=max(1, align // width)), 1), assumed_align=align)
+
+
+def _fake_vector(dtype):
+    return make_fake_tensor(dtype, (cute.sym_int32(),), (1,), assumed_align=dtype.width // 8)
+
+
+def _fake_arguments(config: KernelConfig):
+    """Placeholders with the same runtime/static structure as the tensors `_runtime_arguments` passes."""
+    ab, out = _CUTE_DTYPES[config.ab], _CUTE_DTYPES[config.out]
+    return (
+        _fake_matrix(ab, 16),
+        _fake_matrix(ab, 16),
+        _fake_matrix(out, 16),
+        _fake_vector(cutlass.Float32) if config.has_row else None,
+        _fake_vector(cutlass.Float32) if config.has_col else None,
+        _fake_vector(_CUTE_DTYPES[config.bias]) if config.bias else None,
+        _fake_matrix(out, out.width // 8) if config.has_residual else None,
+        cutlass.Int32(132),
+        make_fake_stream(),
+    )
+
+
+def _compile(config: KernelConfig, options: Optional[str] = None):
+    kernel = _ScaledMmKernel(config)
+    if options is None:
+        return cute.compile(kernel, *_fake_arguments(config))
+    return cute.compile(kernel, *_fake_arguments(config), options=options)
+
+
+def compiled_kernel(config: KernelConfig):
+    """The compiled kernel for ``config``, compiled on first use (thread-safe)."""
+    key = (config, "native")
+    fn = _COMPILED.get(key)
+    if fn is None:
+        with _COMPILE_LOCK:
+            fn = _COMPILED.get(key)
+            if fn is None:
+                fn = _COMPILED[key] = _compile(config)
+    return fn
+
+
+def cache_size() -> int:
+    return len(_COMPILED)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:  # a benign race: both writers store the same value
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _as_cute(t: Optional[torch.Tensor], align: int):
+    if t is None:
+        return None
+    if t.dim() == 1:
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=1)
+
+
+def config_for(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, num_sms=132) -> KernelConfig:
+    tile_m, tile_n = heuristics(a.shape[0], b.shape[0], num_sms)
+    return KernelConfig(
+        ab=_AB_DTYPES[a.dtype], out=_OUT_DTYPES[out_dtype], tile_m=tile_m, tile_n=tile_n,
+        has_row=row is not None, has_col=col is not None,
+        bias=None if bias is None else _BIAS_DTYPES[bias.dtype], has_residual=residual is not None,
+    )
+
+
+def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, a_block=None,
+                   b_block=None) -> torch.Tensor:
+    """out = cast((a @ b.T) * row[:, None] * col[None, :] + bias + residual), fp32 accumulation."""
+    reason = supports(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
+                      a_block=a_block, b_block=b_block)
+    if reason is not None:
+        raise ValueError(f"cute_scaled_mm: unsupported arguments: {reason}")
+    m, n = a.shape[0], b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    num_sms = _sm_count(a.device)
+    config = config_for(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
+                        num_sms=num_sms)
+    kernel = compiled_kernel(config)
+    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    kernel(
+        _as_cute(a, 16), _as_cute(b, 16), _as_cute(out, 16),
+        _as_cute(row, 4), _as_cute(col, 4),
+        _as_cute(bias, None if bias is None else bias.element_size()),
+        _as_cute(residual, None if residual is None else residual.element_size()),
+        cutlass.Int32(num_sms), stream,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time builds for sm_90a (no GPU needed)
+# --------------------------------------------------------------------------------------------------
+
+
+def shipped_configs() -> list[KernelConfig]:
+    """The representative specializations built and checked in CI.
+
+    Every tile shape with the fp8 row+col+bias epilogue (the W8A8 linear), every input dtype and
+    output dtype at 128x128, and the remaining epilogue flags (bf16 col+residual, the bare GEMM).
+    """
+    configs = [KernelConfig("f8e4m3", "bf16", tm, tn, has_row=True, has_col=True, bias="bf16")
+               for tm, tn in _TILES]
+    configs += [
+        KernelConfig("bf16", "bf16", 128, 128, has_col=True, has_residual=True),
+        KernelConfig("bf16", "bf16", 128, 256, has_col=True, has_residual=True),
+        KernelConfig("bf16", "bf16", 64, 128),
+        KernelConfig("f16", "f16", 128, 128, has_row=True, bias="f32"),
+        KernelConfig("bf16", "f32", 128, 128, has_row=True, has_col=True, bias="f32", has_residual=True),
+        KernelConfig("f8e4m3", "f16", 128, 256, has_col=True, has_residual=True),
+    ]
+    return configs
+
+
+def _tool(name: str) -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else None
+
+
+def read_resources(cubin: str, ptx: Optional[str] = None) -> dict:
+    """Registers, stack and local memory (cuobjdump -res-usage) and spill bytes (ptxas -v on the PTX).
+
+    Registers are the allocation ptxas made for the whole kernel; at run time ``setmaxnreg`` moves
+    registers from the producer to the consumer warpgroups.
+    """
+    info: dict = {}
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump:
+        text = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+        if match := re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text):
+            info.update(registers=int(match[1]), stack=int(match[2]), shared=int(match[3]), local=int(match[4]))
+    # The DSL writes PTX 8.8: Triton's ptxas-blackwell (CUDA 12.9) reads it, its plain ptxas does not.
+    ptxas = _tool("ptxas-blackwell") or _tool("ptxas")
+    if ptxas and ptx and os.path.exists(ptx):
+        result = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                                capture_output=True, text=True)
+        stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", result.stderr)]
+        loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", result.stderr)]
+        if stores or loads:
+            info.update(spill_stores=sum(stores), spill_loads=sum(loads))
+    return info
+
+
+def aot_compile_sm90a(out_dir: str, configs: Optional[list[KernelConfig]] = None) -> list[dict]:
+    """Build every shipped specialization for sm_90a (no GPU needed) into ``out_dir``.
+
+    Returns one dict per build: name, config, cubin and ptx paths, and the resources read back.
+    """
+    if _CUTLASS_ERROR is not None:
+        raise RuntimeError(_CUTLASS_ERROR)
+    results = []
+    for config in configs or shipped_configs():
+        build_dir = os.path.abspath(os.path.join(out_dir, config.name))
+        os.makedirs(build_dir, exist_ok=True)  # the DSL does not create its dump directory
+        fn = _compile(config, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={build_dir}")
+        cubins = [os.path.join(build_dir, f) for f in sorted(os.listdir(build_dir)) if f.endswith(".cubin")]
+        ptxs = [os.path.join(build_dir, f) for f in sorted(os.listdir(build_dir)) if f.endswith(".ptx")]
+        del fn
+        entry = {"name": config.name, "config": dataclasses.asdict(config),
+                 "cubin": cubins[0] if cubins else None, "ptx": ptxs[0] if ptxs else None}
+        if entry["cubin"]:
+            entry.update(read_resources(entry["cubin"], entry["ptx"]))
+        results.append(entry)
+    return results

@@ -1,0 +1,256 @@
+"""Checks for the CuTe DSL scaled GEMM (fusekern/kernels/cute_scaled_mm.py).
+
+CPU (CI): every shipped specialization builds for sm_90a without a GPU and has no local memory;
+``supports`` gives reasons for bad input and ``cute_scaled_mm`` raises on them; the float64 reference
+matches a plain computation. GPU (``gpu`` marker): results against the reference for every shipped
+epilogue combination, odd M, N and K tails, and no recompilation when only M changes.
+"""
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+from fusekern.kernels import cute_scaled_mm as csm
+
+needs_cutlass = pytest.mark.skipif(csm._CUTLASS_ERROR is not None, reason=str(csm._CUTLASS_ERROR))
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: sm_90a builds
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_cutlass
+def test_aot_compile_sm90a_builds_every_shipped_config(tmp_path):
+    builds = csm.aot_compile_sm90a(str(tmp_path))
+    assert len(builds) == len(csm.shipped_configs())
+    assert len({b["name"] for b in builds}) == len(builds)
+    names = {b["name"] for b in builds}
+    assert "f8e4m3_bf16_128x128_row_col_biasbf16" in names
+    assert "bf16_bf16_128x128_col_res" in names
+    for build in builds:
+        assert build["cubin"] and os.path.getsize(build["cubin"]) > 0, build["name"]
+        print(f"{build['name']}: REG {build.get('registers')} STACK {build.get('stack')} "
+              f"LOCAL {build.get('local')} spill stores/loads {build.get('spill_stores')}/{build.get('spill_loads')}")
+        if "stack" in build:  # spills live in the stack frame: none in a shipped config
+            assert build["stack"] == 0 and build["local"] == 0, build
+        if "spill_stores" in build:
+            assert build["spill_stores"] == 0 and build["spill_loads"] == 0, build
+
+
+def test_heuristics_pick_small_tiles_for_small_batches():
+    assert csm.heuristics(1, 4096)[0] == 64
+    assert csm.heuristics(64, 4096)[0] == 64
+    assert csm.heuristics(4096, 8192) == (128, 256)
+    assert csm.heuristics(256, 4096) == (128, 128)
+    for m, n in itertools.product((1, 7, 100, 1000, 8192), (64, 4096, 8200, 28672)):
+        assert csm.heuristics(m, n) in csm._TILES
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: argument checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _operands(m=16, n=32, k=64, dtype=torch.bfloat16, device="cpu"):
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype)
+    return a, b
+
+
+def _misaligned(m, k, dtype=torch.bfloat16):
+    storage = torch.randn(m * k + 1).to(dtype)
+    return storage[1:].view(m, k)  # base pointer 2 bytes past a 16-byte boundary
+
+
+BAD_CASES = {
+    "cpu": lambda: (*_operands(), {}),
+    "float32 inputs": lambda: (*_operands(dtype=torch.float32), {}),
+    "mixed dtypes": lambda: (_operands()[0], _operands()[1].half(), {}),
+    "b not K-major": lambda: (_operands()[0], torch.randn(64, 32).bfloat16().T, {}),
+    "misaligned base": lambda: (_misaligned(16, 64), _operands()[1], {}),
+    "K not 16 bytes": lambda: (*_operands(k=12), {}),
+    "int8 out": lambda: (*_operands(), {"out_dtype": torch.int8}),
+    "row wrong dtype": lambda: (*_operands(), {"row": torch.ones(16, dtype=torch.bfloat16)}),
+    "col wrong length": lambda: (*_operands(), {"col": torch.ones(31)}),
+    "residual wrong dtype": lambda: (*_operands(), {"residual": torch.ones(16, 32)}),
+    "block scales": lambda: (*_operands(dtype=torch.float8_e4m3fn),
+                             {"a_block": torch.ones(16, 1), "b_block": torch.ones(1, 1)}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_supports_gives_a_reason_and_the_kernel_raises(case):
+    a, b, kwargs = BAD_CASES[case]()
+    kwargs.setdefault("out_dtype", torch.bfloat16)
+    reason = csm.supports(a, b, **kwargs)
+    assert isinstance(reason, str) and reason, case
+    with pytest.raises(ValueError, match="unsupported"):
+        csm.cute_scaled_mm(a, b, **kwargs)
+
+
+def test_supports_reasons_name_the_problem():
+    a, b = _operands()
+    assert "cpu" in csm.supports(a, b, out_dtype=torch.bfloat16).lower() or csm._CUTLASS_ERROR
+    if csm._CUTLASS_ERROR is None:
+        assert "K-major" in csm.supports(a, torch.randn(64, 32).bfloat16().T, out_dtype=torch.bfloat16)
+        assert "aligned" in csm.supports(_misaligned(16, 64), b, out_dtype=torch.bfloat16)
+        assert "16 bytes" in csm.supports(*_operands(k=12), out_dtype=torch.bfloat16)
+
+
+def test_supports_never_raises_on_fake_and_meta_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.empty(8, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
+        reason = csm.supports(a, b, col=torch.empty(32), out_dtype=torch.bfloat16)
+    assert isinstance(reason, str)
+    a = torch.empty(8, 64, dtype=torch.float8_e4m3fn, device="meta")
+    b = torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="meta")
+    assert isinstance(csm.supports(a, b, out_dtype=torch.bfloat16), str)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: reference
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reference_matches_a_plain_float64_computation():
+    torch.manual_seed(0)
+    m, n, k = 5, 12, 48
+    a, b = _operands(m, n, k)
+    row, col = torch.rand(m) + 0.5, torch.rand(n) + 0.5
+    bias, residual = torch.randn(n).bfloat16(), torch.randn(m, n).float()
+    out = csm.reference_scaled_mm(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=torch.float32)
+    want = torch.empty(m, n, dtype=torch.float64)
+    for i in range(m):
+        for j in range(n):
+            dot = sum(float(a[i, t]) * float(b[j, t]) for t in range(k))
+            want[i, j] = dot * float(row[i]) * float(col[j]) + float(bias[j]) + float(residual[i, j])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-5)
+    plain = csm.reference_scaled_mm(a, b, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(plain, (a.double() @ b.double().T).bfloat16())
+
+
+def test_reference_block_scales():
+    torch.manual_seed(1)
+    m, n, k = 3, 200, 300  # N and K tails of the 128-wide blocks
+    a = torch.randn(m, k).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn)
+    a_block = torch.rand(m, math.ceil(k / 128)) + 0.5
+    b_block = torch.rand(math.ceil(n / 128), math.ceil(k / 128)) + 0.5
+    out = csm.reference_scaled_mm(a, b, a_block=a_block, b_block=b_block, out_dtype=torch.float32)
+    a_full = a.double() * a_block.double().repeat_interleave(128, dim=1)[:, :k]
+    b_full = b.double() * b_block.double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    torch.testing.assert_close(out.double(), a_full @ b_full.T, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------------
+
+TOLERANCE = {  # (input, output) -> relative error bound
+    (torch.float8_e4m3fn, torch.bfloat16): 2e-2,
+    (torch.float8_e4m3fn, torch.float16): 2e-2,
+    (torch.bfloat16, torch.bfloat16): 1e-2,
+    (torch.bfloat16, torch.float32): 1e-4,
+    (torch.float16, torch.float16): 2e-3,
+}
+
+
+def _gpu_inputs(m, n, k, ab_dtype, out_dtype, has_row, has_col, bias_dtype, has_residual, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    a, b = randn(m, k).to(ab_dtype), randn(n, k).to(ab_dtype)
+    epilogue = {
+        "row": randn(m).abs() + 0.5 if has_row else None,
+        "col": randn(n).abs() + 0.5 if has_col else None,
+        "bias": randn(n).to(bias_dtype) if bias_dtype is not None else None,
+        "residual": randn(m, n).to(out_dtype) if has_residual else None,
+    }
+    return a, b, epilogue
+
+
+def _poison_allocator(m, n, out_dtype):
+    """Leave a NaN block of the output's size in the caching allocator: torch.empty will likely reuse it."""
+    torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+
+
+def _check(m, n, k, ab_dtype, out_dtype, has_row=False, has_col=False, bias_dtype=None, has_residual=False):
+    a, b, epi = _gpu_inputs(m, n, k, ab_dtype, out_dtype, has_row, has_col, bias_dtype, has_residual)
+    assert csm.supports(a, b, out_dtype=out_dtype, **epi) is None
+    _poison_allocator(m, n, out_dtype)
+    out = csm.cute_scaled_mm(a, b, out_dtype=out_dtype, **epi)
+    torch.cuda.synchronize()
+    ref = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **epi)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    assert torch.isfinite(out).all()
+    err = _rel_err(out, ref)
+    assert err < TOLERANCE[(ab_dtype, out_dtype)], (m, n, k, ab_dtype, out_dtype, epi.keys(), err)
+
+
+EPILOGUES = [  # (row, col, bias dtype, residual)
+    (False, False, None, False),
+    (True, True, torch.bfloat16, False),
+    (False, True, None, True),
+    (True, False, torch.float32, False),
+    (True, True, torch.float32, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ab_dtype,out_dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}res{int(e[3])}")
+@pytest.mark.parametrize("m", [1, 7, 100, 1000])
+def test_matches_reference(ab_dtype, out_dtype, epilogue, m):
+    has_row, has_col, bias_dtype, has_residual = epilogue
+    k = 1024 if ab_dtype != torch.float8_e4m3fn else 2048
+    _check(m, 4096, k, ab_dtype, out_dtype, has_row, has_col, bias_dtype, has_residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ab_dtype,out_dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("m,n,k", [(7, 8200, 1040), (1000, 8200, 1040), (300, 136, 80), (129, 264, 4112)])
+def test_n_and_k_tails(ab_dtype, out_dtype, m, n, k):
+    _check(m, n, k, ab_dtype, out_dtype, has_row=True, has_col=True, bias_dtype=torch.bfloat16, has_residual=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8192])
+def test_large_tiles(m):
+    _check(m, 8192, 4096, torch.float8_e4m3fn, torch.bfloat16, True, True, torch.bfloat16)
+    _check(m, 8192, 4096, torch.bfloat16, torch.bfloat16, False, True, None, True)
+
+
+@pytest.mark.gpu
+def test_a_new_batch_size_does_not_recompile():
+    _check(1, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)
+    size = csm.cache_size()
+    _check(7, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)  # same 64-row config
+    assert csm.cache_size() == size
+    _check(100, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)
+    size = csm.cache_size()
+    _check(1000, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)  # same 128x128 config
+    assert csm.cache_size() == size
+
+
+@pytest.mark.gpu
+def test_runs_on_the_current_stream():
+    a, b, epi = _gpu_inputs(100, 4096, 1024, torch.bfloat16, torch.bfloat16, True, True, None, False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **epi)
+    stream.synchronize()
+    assert _rel_err(out, csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **epi)) < 1e-2
