@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--contexts", default="8192")
     ap.add_argument("--batches", default="8")
+    ap.add_argument("--splits", default="", help="also time these split counts (a sweep), e.g. 4,8,32")
     args = ap.parse_args()
     dev = "cuda"
     warm_up_clocks(dev)
@@ -55,6 +56,9 @@ def main():
                 "stock_default": lambda: stock(q, k8, ks, v8, vs, c),
                 "fusekern_kernel": lambda: A.fp8_kv_decode_attention(q, k8, ks, v8, vs.view(Hkv), c),
             }
+            for n in filter(None, args.splits.split(",")):
+                variants[f"fusekern_kernel_splits{n}"] = (lambda n=int(n): A.fp8_kv_decode_attention(
+                    q, k8, ks, v8, vs.view(Hkv), c, num_splits=n))
             for name, f in variants.items():
                 try:
                     got = f().float()

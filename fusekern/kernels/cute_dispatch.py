@@ -27,8 +27,21 @@ def _module():
     return cute_scaled_mm
 
 
+# Which kernel is faster, by measurement (H200, N = K = 8192, benchmarks/results/h200/scaled_mm.csv at
+# 9772445): FP8 rowwise, Triton / CuTe: 28 / 122 us at M = 16, 220 / 249 us at M = 2048, 968 / 881 us at
+# M = 8192; bf16 + column scale + bias at M = 2048: 450 / 406 us. The CuTe kernel has no split-K or
+# swapped small-M tile yet, so it only takes the large products.
+CUTE_MIN_M = {1: 4096, 2: 128}  # by operand bytes
+
+
+def prefers_cute(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape[0] >= CUTE_MIN_M.get(a.element_size(), 1 << 62)
+
+
 def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
     """The CuTe kernel's result, or None when it does not apply (the caller then uses Triton)."""
+    if not prefers_cute(a, b):
+        return None
     mod = _module()
     if mod is None:
         return None

@@ -1,0 +1,56 @@
+"""Where the time of a compiled W8A8 linear goes: compiled graph vs the op vs its kernels (H200).
+
+    python benchmarks/profile_scaled_mm.py
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import triton.testing
+
+from bench_scaled_mm import w8a8_rowwise
+from fusekern.kernels import scaled_mm as S
+
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def host_us(fn, n=200):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    N = K = 8192
+    for M in (16, 2048):
+        x8 = torch.randn(M, K, device="cuda").to(E4M3)
+        w8 = torch.randn(N, K, device="cuda").to(E4M3)
+        sx, sw = torch.rand(M, 1, device="cuda") + 0.1, torch.rand(N, 1, device="cuda") + 0.1
+        torch._dynamo.reset()
+        comp = torch.compile(w8a8_rowwise, backend="fusekern", dynamic=False)
+        comp(x8, w8, sx, sw)
+        row, col = sx.view(M), sw.view(N)
+        variants = {
+            "compiled": lambda: comp(x8, w8, sx, sw),
+            "op": lambda: S.scaled_mm(x8, w8, row, col, None, None, None, None, 0, 0, BF16),
+            "triton": lambda: S.scaled_mm_triton(x8, w8, row, col, out_dtype=BF16),
+        }
+        for name, f in variants.items():
+            us = triton.testing.do_bench(f, return_mode="median") * 1e3
+            g = triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
+            print(f"M={M} {name:10s} do_bench {us:8.1f} us  cudagraph {g:8.1f} us  host {host_us(f):7.1f} us/call")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                comp(x8, w8, sx, sw)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
