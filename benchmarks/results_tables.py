@@ -133,7 +133,29 @@ def e2e_decode(rows: list[dict]) -> list[str]:
     return out
 
 
-TABLES = {"w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
+def scaled_mm(rows: list[dict]) -> list[str]:
+    """Issue 6's GEMMs: every variant's median and throughput per case and M."""
+    cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
+            ("fusekern_triton", "Triton kernel"), ("fusekern_cute", "CuTe kernel"),
+            ("torch_scaled_mm", "torch._scaled_mm"), ("cublas_mm_alone", "cuBLAS mm alone")]
+    by = {}
+    for r in rows:
+        by.setdefault((r["case"], int(r["M"]), r["N"], r["K"]), {})[r["variant"]] = r
+    out = ["| case | M×N×K | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for (case, m, n, k), v in by.items():
+        cells = [f"{_num(v[c]['us'])} ({float(v[c]['tflops']):.0f})" if c in v else "–" for c, _ in cols]
+        out.append(f"| {case} | {m}×{n}×{k} | " + " | ".join(cells) + " |")
+    return out
+
+
+def fp8_kv_attention(rows: list[dict]) -> list[str]:
+    out = ["| B | S | floor | variant | µs | × floor |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['B']} | {r['S']} | {_num(r['floor_us'])} | {r['variant']} | {_num(r['us'])} | {r['x_floor']} |")
+    return out
+
+
+TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes,
           "e2e_decode": e2e_decode}

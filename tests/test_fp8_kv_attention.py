@@ -46,8 +46,8 @@ def check(q, k8, k_scale, v8, v_scale, sm_scale=None, **kw):
 
 
 def test_split_heuristic():
-    assert F.kv_splits(8 * 8, 8192, 132) == 17  # benchmark shape: 1024 programs after rounding
-    assert F.split_chunk(8192, 17, F.block_tokens(128, 16)) == (512, 16)
+    assert F.kv_splits(8 * 8, 8192, 132) == 9  # benchmark shape: 576 programs of 960 tokens after rounding
+    assert F.split_chunk(8192, 9, F.block_tokens(128, 16)) == (960, 9)
     assert F.kv_splits(64 * 8, 8192, 132) == 1  # large batch
     assert F.kv_splits(8, 300, 132) == 1  # short sequence
     assert F.kv_splits(1, 1 << 20, 132) == F.MAX_SPLITS

@@ -74,7 +74,9 @@ LOG2E = math.log2(math.e)
 TILE_BYTES = 8192  # one fp8 K (or V) tile: BLOCK_S * D bytes
 NUM_WARPS = 4
 NUM_STAGES = 3  # 3 x 16 KiB of K + V tiles in shared memory: four programs fit on an SM
-CTAS_PER_SM_WANTED = 8  # about two waves of four resident programs: the tail wave is short
+# H200 sweep at B = 8, Hkv = 8, S = 8192 (git 40956bb): 4 / 8 / 16 / 32 / 64 splits ran 62.7 / 62.5 / 77.3 /
+# 123.9 / 98.1 us; about four programs per SM (one wave) is where the merge traffic stops paying off.
+CTAS_PER_SM_WANTED = 4
 SPLIT_FREE_CTAS_PER_SM = 2  # from two programs per SM on, splitting only adds merge traffic
 MIN_SPLIT_TOKENS = 256  # a split shorter than this spends more on its prologue and partial than on K / V
 MAX_SPLITS = 64
@@ -95,8 +97,8 @@ def padded_rows(rows: int) -> int:
 def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
     """How many chunks each (batch, KV head) sequence is cut into: about CTAS_PER_SM_WANTED programs per SM
     over the whole grid, none shorter than MIN_SPLIT_TOKENS; 1 when the batch alone gives every SM
-    SPLIT_FREE_CTAS_PER_SM programs. Benchmark shape (B = 8, Hkv = 8, S = 8192, 132 SMs): 17 wanted,
-    16 after rounding chunks to whole tiles (1024 programs of 512 tokens)."""
+    SPLIT_FREE_CTAS_PER_SM programs. Benchmark shape (B = 8, Hkv = 8, S = 8192, 132 SMs): 9 wanted,
+    9 after rounding chunks to whole tiles (576 programs of 960 tokens)."""
     if batch_heads >= SPLIT_FREE_CTAS_PER_SM * sms:
         return 1
     wanted = triton.cdiv(CTAS_PER_SM_WANTED * sms, batch_heads)
