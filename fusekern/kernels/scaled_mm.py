@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.remat import block_index, remat_flags
+from fusekern.kernels.w8a16_linear import _tile_coords  # grouped tile order, shared with the W8A16 GEMM
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
 KERNEL_VERSION = "scaled_mm-1"
@@ -136,20 +137,6 @@ def select_config(M: int, N: int, K: int, operand_bytes: int, group_k: int = 0) 
 
 
 # ----------------------------------------------------------------------------- the kernel
-
-
-@triton.jit
-def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped ordering: GROUP_M row tiles share each column tile of b while it sits in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit

@@ -34,6 +34,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import scaled_mm as kernel
+from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
 
 aten = torch.ops.aten
@@ -43,7 +44,6 @@ NAME = "scale_folding"
 MATMULS = (aten.mm.default, aten.addmm.default)
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-CODE_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Decline(Exception):
@@ -358,17 +358,8 @@ def _decoded_from_codes(node: Node) -> bool:
     """The node is computed from integer / fp8 graph inputs (a dequantized weight: the dequant family's)."""
     if node.op != "call_function":
         return False
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        v = _val(n)
-        if n.op in ("placeholder", "get_attr") and v is not None and v.dtype in CODE_DTYPES:
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
+    return any(n.op in ("placeholder", "get_attr") and _val(n) is not None and _val(n).dtype in CODE_DTYPES
+               for n in ancestors(node))
 
 
 def plan(mm: Node) -> Plan:
