@@ -171,7 +171,7 @@ def _scaled_mm_kernel(
     GROUP_N, GROUP_K,
     HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
-    COMPUTE: tl.constexpr,  # None: multiply in the operands' type; else widen both to this type first
+    COMPUTE: tl.constexpr,  # 0: multiply in the operands' type; 1 / 2 / 3: widen both to bf16 / fp16 / fp32 first
     INT_DOT: tl.constexpr,  # int8 x int8: exact int32 accumulation
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -205,9 +205,12 @@ def _scaled_mm_kernel(
             k_mask = offs_k[None, :] < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_mask)
             b = tl.load(b_ptrs, mask=k_mask)
-        if COMPUTE is not None:
-            a = a.to(COMPUTE)
-            b = b.to(COMPUTE)
+        if COMPUTE == 1:
+            a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+        elif COMPUTE == 2:
+            a, b = a.to(tl.float16), b.to(tl.float16)
+        elif COMPUTE == 3:
+            a, b = a.to(tl.float32), b.to(tl.float32)
         if not EVEN_K:
             a = tl.where(k_mask, a, tl.zeros_like(a))
             b = tl.where(k_mask, b, tl.zeros_like(b))
@@ -235,17 +238,17 @@ def _scaled_mm_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_COMPUTE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def _compute_constexprs(a_dtype: torch.dtype, b_dtype: torch.dtype) -> dict:
     cd = compute_dtype(a_dtype, b_dtype)
     if _INTERPRETING and cd in FP8_DTYPES:
         # The interpreter has no fp8 dot; fp8 values and their products are exact in fp32.
-        return dict(COMPUTE=tl.float32, INT_DOT=False)
+        return dict(COMPUTE=3, INT_DOT=False)
     if a_dtype == b_dtype:
-        return dict(COMPUTE=None, INT_DOT=a_dtype == torch.int8)
-    return dict(COMPUTE=_TL_DTYPES[cd], INT_DOT=False)
+        return dict(COMPUTE=0, INT_DOT=a_dtype == torch.int8)
+    return dict(COMPUTE=_COMPUTE_CODES[cd], INT_DOT=False)
 
 
 def _stride(t: torch.Tensor | None, dim: int = 0) -> int:
@@ -253,8 +256,12 @@ def _stride(t: torch.Tensor | None, dim: int = 0) -> int:
 
 
 def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block=None, b_block=None,
-                     group_n: int = 0, group_k: int = 0, out_dtype=torch.bfloat16, *, config: Config | None = None):
-    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+                     group_n: int = 0, group_k: int = 0, out_dtype=torch.bfloat16, *, config: Config | None = None,
+                     wrap=None):
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+
+    ``wrap=torch.library.wrap_triton`` records the launch for inductor instead of running it; the caller
+    traces this under ``torch.func.functionalize`` (see ``traced_for_inductor``)."""
     check_args(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype)
     M, K = a.shape
     N = b.shape[0]
@@ -273,7 +280,7 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
     if blocked and cfg.BLOCK_K > group_k:
         raise ValueError(f"scaled_mm: BLOCK_K={cfg.BLOCK_K} exceeds the scale group {group_k}")
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    _scaled_mm_kernel[grid](
+    (wrap(_scaled_mm_kernel) if wrap is not None else _scaled_mm_kernel)[grid](
         a, b, out, row, col, bias, residual, a_block, b_block,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -287,6 +294,24 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
         **_compute_constexprs(a.dtype, b.dtype), **remat_flags(cfg.remat),
     )
     return out
+
+
+def traced_for_inductor(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
+    """For a rewrite with a fixed M on CUDA: the Triton launch as a functional HOP that inductor emits in
+    its own wrapper. At decode sizes the op's per-call Python dispatch costs several times the kernel
+    (H200, M = 16, N = K = 8192: about 135 us of host time per call against a 20 us kernel)."""
+    launch = functools.partial(scaled_mm_triton, group_n=group_n, group_k=group_k, out_dtype=out_dtype,
+                               wrap=torch.library.wrap_triton)
+    tensors = (a, b, row, col, bias, residual, a_block, b_block)
+    present = [i for i, t in enumerate(tensors) if t is not None]
+
+    def run(*given):
+        args = [None] * len(tensors)
+        for i, t in zip(present, given):
+            args[i] = t
+        return launch(*args)
+
+    return torch.func.functionalize(run)(*(tensors[i] for i in present))
 
 
 # ----------------------------------------------------------------------------- reference and CPU path
@@ -355,7 +380,7 @@ def aot_builds():
                         stride_row=1, stride_col=1, stride_bias=1, stride_rm=N, stride_rn=1,
                         stride_abm=-(-K // 128), stride_abk=1, stride_bbn=-(-K // 128), stride_bbk=1,
                         GROUP_N=128, GROUP_K=128)
-            const = dict(flags, BLOCK_SCALED=bool(gk), COMPUTE=None, INT_DOT=False, EVEN_K=K % cfg.BLOCK_K == 0,
+            const = dict(flags, BLOCK_SCALED=bool(gk), COMPUTE=0, INT_DOT=False, EVEN_K=K % cfg.BLOCK_K == 0,
                          BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
             name = f"BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} w{cfg.num_warps} s{cfg.num_stages}"
             builds.append(TritonBuild(f"scaled_mm_{label}", f"{name} [{M}x{N}x{K}]", _scaled_mm_kernel, args, const,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
+from fusekern.kernels import cute_dispatch
 from fusekern.kernels import scaled_mm as kernel
 from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
@@ -444,6 +445,34 @@ class _Emitter:
             out.append(self(aten.sym_size.int, src, i))
         return out
 
+    def inline(self, fn, *args) -> Node | None:
+        """Trace ``fn`` on the fake values of ``args`` (Nodes and constants) and copy its graph here.
+
+        None (and nothing copied) when the trace writes or clones an input: Triton launches whose
+        kernel inductor cannot analyse are assumed to write every pointer (a clone of the weight per call).
+        """
+        from torch._inductor.pattern_matcher import fwd_only
+
+        nodes = [a for a in args if isinstance(a, Node)]
+
+        def on_tensors(*tensors):
+            it = iter(tensors)
+            return fn(*(next(it) if isinstance(a, Node) else a for a in args))
+
+        with self.mode:
+            gm = fwd_only(on_tensors, [n.meta["val"] for n in nodes])
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable:
+                return None
+            if set(n.kwargs.get("tensors_to_clone", ())) - {"out_ptr"}:
+                return None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        with self.graph.inserting_before(self.at):
+            out = self.graph.graph_copy(gm.graph, dict(zip(placeholders, nodes)))
+        return out[0] if isinstance(out, (tuple, list)) else out
+
     def fp32(self, n: Node) -> Node:
         return n if _val(n).dtype == torch.float32 else self(prims.convert_element_type.default, n, torch.float32)
 
@@ -541,8 +570,14 @@ def _replace(graph: Graph, p: Plan) -> str:
             group_n = int(N) if isinstance(n_arg[0], int) else None
             if group_n is None:
                 raise Decline("weight without block scales and a symbolic N")
-    fused = emit(kernel.scaled_mm.default, a_in, b_in, row, col, bias, residual, a_block, b_block,
-                 group_n, group_k, p.out_dtype)
+    args = (a_in, b_in, row, col, bias, residual, a_block, b_block, group_n, group_k, p.out_dtype)
+    if mv.device.type == "cuda" and isinstance(M, int) and not cute_dispatch.prefers_cute(_val(a_in), _val(b_in)):
+        # M is fixed in this graph and the Triton kernel takes it: inductor emits the launch itself.
+        fused = emit.inline(kernel.traced_for_inductor, *args)
+    else:
+        fused = None
+    if fused is None:  # symbolic M (the op picks the kernel per call), the CuTe kernel, or CPU: the registered op
+        fused = emit(kernel.scaled_mm.default, *args)
     result = fused if out_shape is None else emit(aten.reshape.default, fused, out_shape)
     for key in ("stack_trace", "nn_module_stack"):
         if key in p.mm.meta:
