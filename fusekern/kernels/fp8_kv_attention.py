@@ -61,7 +61,8 @@ from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_counters import split_counters
 
-KERNEL_VERSION = "fp8_kv_attention-1"
+# Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
+KERNEL_VERSION = "fp8_kv_attention-2"
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -516,3 +517,50 @@ def reference_fp8_kv_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch
     v = v.repeat_interleave(Hq // Hkv, dim=1)
     scores = (q.to(torch.float64) @ k.transpose(-1, -2)) * sm_scale
     return torch.softmax(scores, dim=-1) @ v
+
+
+# ----------------------------------------------------------------------------- custom op
+# The plain dispatcher API, as for the other kernels (custom_op's Python wrappers cost more than a decode
+# step's kernel). Inference-only: no autograd kernel.
+
+torch.library.define(
+    "fusekern::fp8_kv_attention",
+    "(Tensor q, Tensor k8, Tensor k_scale, Tensor v8, Tensor v_scale, float sm_scale) -> Tensor",
+)
+
+
+def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float) -> torch.Tensor:
+    """The op's CPU path (and the CUDA fallback for caches the kernel cannot read as words): fp32 math."""
+    B, Hq, _, _ = q.shape
+    Hkv = k8.shape[1]
+    vs = per_head_v_scale(v_scale, B, Hkv, q.device).float()
+    k = (k8.float() * k_scale.float()[..., None]).repeat_interleave(Hq // Hkv, dim=1)
+    v = (v8.float() * vs[:, :, None, None]).repeat_interleave(Hq // Hkv, dim=1)
+    p = torch.softmax((q.float() @ k.transpose(-1, -2)) * sm_scale, dim=-1)
+    return (p @ v).to(q.dtype)
+
+
+@torch.library.impl("fusekern::fp8_kv_attention", "CUDA")
+def _fp8_kv_attention_cuda(q, k8, k_scale, v8, v_scale, sm_scale):
+    try:
+        return fp8_kv_decode_attention(q, k8, k_scale, v8, v_scale, sm_scale)
+    except ValueError:
+        # The graph rewrite checked everything a fake tensor shows; what is left is the cache's address
+        # (not a whole number of 4-byte words): the same math unfused, never a wrong result.
+        _check_inputs(q, k8, k_scale, v8)
+        return attention_math(q, k8, k_scale, v8, v_scale, sm_scale)
+
+
+@torch.library.impl("fusekern::fp8_kv_attention", "CPU")
+def _fp8_kv_attention_cpu(q, k8, k_scale, v8, v_scale, sm_scale):
+    _check_inputs(q, k8, k_scale, v8)
+    return attention_math(q, k8, k_scale, v8, v_scale, sm_scale)
+
+
+@torch.library.register_fake("fusekern::fp8_kv_attention")
+def _fp8_kv_attention_fake(q, k8, k_scale, v8, v_scale, sm_scale):
+    _check_inputs(q, k8, k_scale, v8)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+fp8_kv_attention = torch.ops.fusekern.fp8_kv_attention

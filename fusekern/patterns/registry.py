@@ -30,7 +30,8 @@ STAGES = ("post_grad", "joint")
 # Order is priority within a stage. Scale folding comes first: it declines weight-only forms (16-bit
 # activation, 8-bit or decoded weight) so the dequant family still sees them, and it must take W8A8
 # forms before the structural decode rewrite would read them as weight-only.
-BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.dequant_matmul",
+BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.scale_folding_attention",
+                   "fusekern.patterns.dequant_matmul",
                    "fusekern.patterns.sampling", "fusekern.patterns.sampling_greedy")
 ENTRY_POINT_GROUP = "fusekern.patterns"
 

@@ -1,0 +1,240 @@
+"""Scale folding inside attention: FP8 K/V with per-token K scales and per-head V scales, never dequantized.
+
+Inductor turns both ``softmax((q @ k.transpose(-1, -2)) * c) @ v`` and ``F.scaled_dot_product_attention``
+into one SDPA op before the post-grad passes, so the rewrite reads SDPA ops (flash, efficient, cuDNN, the
+CPU flash op, or the composite): no mask, no dropout, not causal, a constant scale. Each of K and V is
+walked back through a GQA expansion (``repeat_interleave`` over heads, or SDPA's ``enable_gqa``) and
+through casts and multiplications by scales to an fp8 (e4m3) cache:
+
+    k = k8.to(dt) * k_scale[..., None]     one value per (batch, KV head, token), or a scalar
+    v = v8.to(dt) * v_scale                one value per (batch, KV head) or per KV head, or a scalar
+
+Both scales are exact to move: the K scale multiplies the score columns (``q . (s k) = s (q . k)``, folded
+into the fp32 scores), the V scale the output (``sum p (s v) = s sum p v`` for a head-constant s). The match
+becomes one ``fusekern::fp8_kv_attention`` call: split-KV decode attention that reads the fp8 cache once.
+A per-token V scale, or a K scale that varies along the head dim, cannot move: those graphs stay as written.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from fusekern.kernels import fp8_kv_attention as kernel
+from fusekern.patterns.registry import register_rewrite
+from fusekern.patterns.scale_folding import (
+    RESHAPES, Decline, Factors, _cast_target, _classify, _Emitter, _erase_dead, _exact_cast, _is, _known,
+    _scale_operand, _val,
+)
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+NAME = "fp8_kv_attention"
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _sdpa_ops() -> tuple:
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "scaled_dot_product_attention")
+    return tuple(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+SDPA_OPS = _sdpa_ops()
+
+
+def _arguments(n: Node) -> dict:
+    """The SDPA node's arguments by schema name (defaults filled in)."""
+    schema = n.target._schema
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(n.args):
+            out[arg.name] = n.args[i]
+        elif arg.name in n.kwargs:
+            out[arg.name] = n.kwargs[arg.name]
+        else:
+            out[arg.name] = arg.default_value if arg.has_default_value() else None
+    return out
+
+
+def _output(n: Node) -> Node:
+    """The node holding the attention output: the op itself, or its only getitem(0)."""
+    if n.target == aten.scaled_dot_product_attention.default:
+        return n
+    users = list(n.users)
+    if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+        raise Decline("the SDPA op's other outputs (log-sum-exp, ...) are used")
+    return users[0]
+
+
+def _strip_gqa(node: Node) -> tuple[Node, int, list]:
+    """(the [B, Hkv, S, D] value, the group size, absorbed nodes) of k / v expanded for GQA."""
+    if not _is(node, *RESHAPES):
+        return node, 1, []
+    nodes = [node]
+    cur = node.args[0]
+    if _is(cur, aten.clone.default):
+        nodes.append(cur)
+        cur = cur.args[0]
+    if not _is(cur, aten.expand.default):
+        raise Decline("k / v reshaped in a way that is not a GQA head expansion")
+    nodes.append(cur)
+    unsq = cur.args[0]
+    if not (_is(unsq, aten.unsqueeze.default) and unsq.args[1] == 2):
+        raise Decline("k / v expanded along a dim other than a new one after the KV heads (repeat, not "
+                      "repeat_interleave)")
+    nodes.append(unsq)
+    x = unsq.args[0]
+    group = _val(cur).shape[2]
+    if not isinstance(group, int):
+        raise Decline("a symbolic GQA group size")
+    return x, int(group), nodes
+
+
+def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Factors, list]:
+    """Back from k or v ([B, Hkv, S, D]) through casts and scale multiplications to the fp8 cache."""
+    shape = list(_val(node).shape)
+    factors, nodes, scaled, cur = Factors(), [], False, node
+    while True:
+        dst = _cast_target(cur)
+        if dst is not None:
+            src = _val(cur.args[0]).dtype
+            if dst not in FLOATS or not (scaled or _exact_cast(src, dst)):
+                break
+            nodes.append(cur)
+            cur = cur.args[0]
+            continue
+        if _is(cur, aten.mul.Tensor):
+            found = _scale_operand(cur, shape)
+            kind = _classify(found[1], shape, vector_dims) if found else None
+            if kind is None:
+                raise Decline(f"{what}'s scale {cur.name} is not constant along "
+                              f"{'the head dim' if what == 'K' else 'the tokens and the head dim'}: it cannot move")
+            if kind[0] == "number":
+                factors.numbers.append(kind[1])
+            elif kind[0] == "scalar":
+                factors.scalars.append(kind[1])
+            else:
+                factors.rows.append((kind[1], tuple(shape)))
+            nodes.append(cur)
+            cur, scaled = found[0], True
+            continue
+        break
+    v = _val(cur)
+    if v is None or v.dtype != torch.float8_e4m3fn:
+        raise Decline(f"{what} is not read from a float8_e4m3fn cache (found {None if v is None else v.dtype})")
+    return cur, factors, nodes
+
+
+def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int], flat_shape: list) -> Node:
+    """The product of all factors as an fp32 tensor of ``flat_shape`` (the dims in ``dims``)."""
+    parts = []
+    for s, sshape in factors.rows:
+        target = [d if i in dims else 1 for i, d in enumerate(sshape)]
+        s = emit.fp32(s)
+        if _val(s).dim() != len(target) or any(not _known(p == q) for p, q in zip(_val(s).shape, target)):
+            s = emit(aten.expand.default, s, emit.dims(target))
+        parts.append(emit(aten.reshape.default, s, emit.dims(flat_shape)))
+    scalar = emit.product([emit(aten.reshape.default, emit.fp32(s), []) for s in factors.scalars])
+    number = math.prod(factors.numbers) if factors.numbers else 1.0
+    vec = emit.product(parts)
+    if vec is None:
+        base = scalar if scalar is not None else emit(aten.full.default, [], 1.0, dtype=torch.float32,
+                                                      device=_val(emit.sources[0]).device)
+        vec = emit(aten.expand.default, base, emit.dims(flat_shape))
+        scalar = None
+    if scalar is not None:
+        vec = emit(aten.mul.Tensor, vec, scalar)
+    if number != 1.0:
+        vec = emit(aten.mul.Tensor, vec, float(number))
+    return vec
+
+
+def plan_and_replace(graph: Graph, n: Node) -> str:
+    args = _arguments(n)
+    q, k, v = args["query"], args["key"], args["value"]
+    for name in ("attn_mask", "attn_bias"):
+        if args.get(name) is not None:
+            raise Decline("an attention mask / bias")
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        raise Decline("dropout")
+    if args.get("is_causal", False):
+        raise Decline("is_causal (top-left aligned): not a decode step over the whole cache")
+    qv = _val(q)
+    if qv is None or qv.dim() != 4 or qv.dtype not in kernel.Q_DTYPES:
+        raise Decline(f"q is not a 4-D bf16 / fp16 tensor ({None if qv is None else (qv.dtype, qv.dim())})")
+    scale = args.get("scale")
+    D = qv.shape[-1]
+    if scale is None:
+        if not isinstance(D, int):
+            raise Decline("a symbolic head dim")
+        scale = 1.0 / math.sqrt(D)
+    if not isinstance(scale, (int, float)):
+        raise Decline("a scale that is not a constant")
+    out = _output(n)
+    k_x, k_group, k_gqa = _strip_gqa(k)
+    v_x, v_group, v_gqa = _strip_gqa(v)
+    if k_group != v_group:
+        raise Decline(f"K and V expanded for GQA by {k_group} and {v_group}")
+    k8, k_factors, k_nodes = _walk_cache(k_x, "K", {0, 1, 2})
+    v8, v_factors, v_nodes = _walk_cache(v_x, "V", {0, 1})
+    k8v, v8v = _val(k8), _val(v8)
+    B, Hkv, S, _ = k8v.shape
+    with qv.fake_mode:
+        ks_fake = torch.empty((B, Hkv, S), dtype=torch.float32, device=qv.device)
+        try:
+            kernel._check_inputs(qv, k8v, ks_fake, v8v)
+        except ValueError as e:
+            raise Decline(str(e).removeprefix("fp8_kv_decode_attention: ")) from None
+    emit = _Emitter(graph, out, qv.fake_mode, [k8, v8, q])
+    k_scale = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
+    v_scale = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
+    fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, float(scale))
+    if _val(fused).dtype != _val(out).dtype:
+        raise Decline(f"the attention output is {_val(out).dtype}")
+    out.replace_all_uses_with(fused)
+    _erase_dead(graph, [out, n, *k_gqa, *v_gqa, *k_nodes, *v_nodes])
+    parts = ["fp8 K/V"]
+    if k_factors.rows:
+        parts.append("per-token K scales")
+    if v_factors.rows:
+        parts.append("per-head V scales")
+    if k_group > 1 or Hkv != qv.shape[1]:
+        parts.append(f"GQA {qv.shape[1] // Hkv}")
+    return ", ".join(parts)
+
+
+def rewrite_fp8_kv_attention(graph: Graph) -> int:
+    from fusekern.compiler_pass.report import record_note, record_rejection
+
+    fired = 0
+    for n in [n for n in graph.nodes if _is(n, *SDPA_OPS)]:
+        try:
+            note = plan_and_replace(graph, n)
+        except Decline as why:
+            k = _arguments(n).get("key")
+            if any(_val(a) is not None and _val(a).dtype.itemsize == 1 for a in _ancestors_limited(k)):
+                record_rejection(NAME, n.name, str(why))
+            continue
+        record_note(NAME, n.name, note)
+        fired += 1
+    return fired
+
+
+def _ancestors_limited(node, depth: int = 8) -> list:
+    """A few levels above ``node``: enough to see an fp8 cache behind k (for the report's candidates)."""
+    seen, frontier = [], [node] if isinstance(node, Node) else []
+    for _ in range(depth):
+        frontier = [a for f in frontier for a in f.all_input_nodes]
+        seen.extend(frontier)
+    return seen
+
+
+register_rewrite(
+    NAME, rewrite_fp8_kv_attention, family="scale_folding", stage="post_grad", kernel_version=kernel.KERNEL_VERSION,
+    description="SDPA (or softmax(q k^T c) v, which inductor turns into SDPA) over k = k8.to(dt) * k_scale[..., None] "
+                "and v = v8.to(dt) * v_scale with fp8 caches, per-token K and per-head V scales, GQA: "
+                "split-KV decode attention that reads the fp8 cache once",
+)

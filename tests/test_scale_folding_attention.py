@@ -1,0 +1,135 @@
+"""FP8 KV attention with per-token K scales and per-head V scales: the forms users write become one
+``fusekern::fp8_kv_attention`` call (K and V never dequantized), near misses stay as written.
+
+Compared with the float64 reference of the same math (fusekern.kernels.fp8_kv_attention), by relative error.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusekern
+from fusekern.kernels import fp8_kv_attention as A
+from fusekern.testing import assert_compiled, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16, FP16 = torch.bfloat16, torch.float16
+FUSED = "fusekern.fp8_kv_attention.default"
+TOL = {BF16: 1e-2, FP16: 2e-3}
+
+
+def make(B=2, Hq=8, Hkv=2, Lq=1, S=200, D=64, dtype=BF16, seed=0, v_scale_shape=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g).to(DEVICE, dtype)
+    k8 = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE, torch.float8_e4m3fn)
+    v8 = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE, torch.float8_e4m3fn)
+    ks = (torch.rand(B, Hkv, S, generator=g) * 0.1 + 0.01).to(DEVICE)
+    vs = (torch.rand(*(v_scale_shape or (Hkv, 1, 1)), generator=g) * 0.1 + 0.01).to(DEVICE)
+    return q, k8, ks, v8, vs
+
+
+def plain(c, q, k8, ks, v8, vs):
+    group = q.shape[1] // k8.shape[1]
+    k = (k8.to(q.dtype) * ks[..., None].to(q.dtype)).repeat_interleave(group, dim=1)
+    v = (v8.to(q.dtype) * vs.to(q.dtype)).repeat_interleave(group, dim=1)
+    return torch.softmax((q @ k.transpose(-1, -2)) * c, dim=-1) @ v
+
+
+def sdpa(c, q, k8, ks, v8, vs):
+    k = k8.to(q.dtype) * ks[..., None].to(q.dtype)
+    v = v8.to(q.dtype) * vs.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True)
+
+
+def _reference(q, k8, ks, v8, vs, c):
+    # The graph rounds the scales to q's dtype before multiplying: the reference takes the same values.
+    vs_heads = A.per_head_v_scale(vs.to(q.dtype), k8.shape[0], k8.shape[1])
+    return A.reference_fp8_kv_attention(q.cpu(), k8.cpu(), ks.to(q.dtype).cpu(), v8.cpu(), vs_heads.cpu(), c)
+
+
+def check(fn, args, c=0.125, fired=1, dynamic=False, extra_args=()):
+    f = functools.partial(fn, c)
+    result = assert_compiled(f, args, fired={"fp8_kv_attention": fired} if fired else {}, dynamic=dynamic,
+                             extra_args=extra_args)
+    if fired:
+        assert FUSED in result.targets, result.targets
+        for call in (args, *extra_args):
+            got = torch.compile(f, backend="fusekern", dynamic=dynamic)(*call)
+            want = _reference(*call, c)
+            assert rel_err(got.cpu().double(), want) < TOL[call[0].dtype]
+    return result
+
+
+@pytest.mark.parametrize("form", [plain, sdpa], ids=["softmax_matmul", "sdpa"])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_gqa_decode_step(form, dtype):
+    check(form, make(dtype=dtype))
+
+
+def test_multi_head_no_gqa_and_several_queries():
+    check(sdpa, make(Hq=4, Hkv=4, Lq=3, D=128))
+
+
+def test_v_scale_per_batch_and_head():
+    check(sdpa, make(v_scale_shape=(2, 2, 1, 1)))
+
+
+def test_scalar_scales():
+    def legacy(c, q, k8, v8):
+        k = k8.to(q.dtype) * 0.05
+        v = v8.to(q.dtype) * 0.03
+        return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True)
+
+    q, k8, _, v8, _ = make()
+    result = assert_compiled(functools.partial(legacy, 0.125), (q, k8, v8), fired={"fp8_kv_attention": 1})
+    assert FUSED in result.targets
+    got = torch.compile(functools.partial(legacy, 0.125), backend="fusekern")(q, k8, v8)
+    ones = torch.ones(k8.shape[:3], device=DEVICE)
+    want = A.reference_fp8_kv_attention(q.cpu(), k8.cpu(), (ones * 0.05).to(q.dtype).cpu(), v8.cpu(),
+                                        torch.tensor([0.03] * k8.shape[1]).to(q.dtype), 0.125)
+    assert rel_err(got.cpu().double(), want) < TOL[BF16]
+
+
+def test_dynamic_batch_and_context():
+    # sizes distinct from every other dim, so the first compile does not tie B to a head count
+    check(sdpa, make(B=3, S=200), dynamic=True, extra_args=[make(B=5, S=131, seed=1)])
+
+
+# -- near misses ------------------------------------------------------------------------------------------
+
+
+def _reasons():
+    return [r.reason for r in fusekern.match_report().rejections() if r.pattern == "fp8_kv_attention"]
+
+
+def test_per_token_v_scale_does_not_move():
+    def per_token_v(c, q, k8, ks, v8, vs):
+        k = k8.to(q.dtype) * ks[..., None].to(q.dtype)
+        v = v8.to(q.dtype) * ks[..., None].to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True)
+
+    check(per_token_v, make(), fired=0)
+    assert any("V's scale" in r for r in _reasons()), _reasons()
+
+
+def test_causal_is_not_a_decode_step():
+    def causal(c, q, k8, ks, v8, vs):
+        k = k8.to(q.dtype) * ks[..., None].to(q.dtype)
+        v = v8.to(q.dtype) * vs.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True, is_causal=True)
+
+    check(causal, make(Lq=2), fired=0)
+    assert any("is_causal" in r for r in _reasons()), _reasons()
+
+
+def test_head_dim_the_kernel_does_not_take():
+    check(sdpa, make(D=96), fired=0)
+    assert any("head dim" in r for r in _reasons()), _reasons()
+
+
+def test_bf16_cache_is_not_a_candidate():
+    q, _, ks, _, vs = make()
+    k, v = torch.randn(2, 2, 200, 64, device=DEVICE, dtype=BF16), torch.randn(2, 2, 200, 64, device=DEVICE, dtype=BF16)
+    check(sdpa, (q, k, ks, v, vs), fired=0)
+    assert _reasons() == []
