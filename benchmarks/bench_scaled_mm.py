@@ -5,7 +5,8 @@
 Each case times, in one run: eager (the user's graph), stock torch.compile (default; max-autotune-no-
 cudagraphs with --autotune), torch.compile(backend="fusekern"), the fused op's two kernels called directly
 (CuTe DSL and Triton), the vendor reference where one exists (torch._scaled_mm, cuBLAS mm alone), and the
-floor (bytes / 4.3 TB/s or FLOPs / peak). Median of triton.testing.do_bench; every variant is first checked
+floor (bytes / 4.3 TB/s or FLOPs / peak). Medians of triton.testing.do_bench and of do_bench_cudagraph (GPU
+time alone); every variant is first checked
 against a float32 reference of the same math (relative error in the CSV).
 """
 from __future__ import annotations
@@ -43,9 +44,12 @@ def bf16_scale_bias(x, w, s, b):
 
 
 def _time(fn, ref):
+    """(relative error, median µs of do_bench, median µs of do_bench_cudagraph). The second is GPU time
+    alone: at decode sizes do_bench measures the host's launch path, which a CUDA graph removes."""
     out = fn()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    return err, triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return err, us, triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
 def _compiled(fn, args, **kw):
@@ -73,12 +77,13 @@ def run_case(case, M, N, K, fn, args, op_args, vendor, floor_us, flops, autotune
     variants.update(vendor)
     for name, f in variants.items():
         try:
-            err, us = _time(f, ref)
+            err, us, us_graph = _time(f, ref)
         except Exception as e:  # noqa: BLE001
             print(f"{case} M={M} {name}: failed {type(e).__name__}: {str(e)[:200]}")
             continue
         tflops = flops / (us * 1e-6) / 1e12
-        row = dict(case=case, M=M, N=N, K=K, variant=name, us=round(us, 2), tflops=round(tflops, 1),
+        row = dict(case=case, M=M, N=N, K=K, variant=name, us=round(us, 2), us_cudagraph=round(us_graph, 2),
+                   tflops=round(tflops, 1),
                    rel_err=f"{err:.2e}", floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2), **versions())
         print(row)
         out.write(row)

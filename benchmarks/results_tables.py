@@ -143,15 +143,21 @@ def scaled_mm(rows: list[dict]) -> list[str]:
         by.setdefault((r["case"], int(r["M"]), r["N"], r["K"]), {})[r["variant"]] = r
     out = ["| case | M×N×K | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for (case, m, n, k), v in by.items():
-        cells = [f"{_num(v[c]['us'])} ({float(v[c]['tflops']):.0f})" if c in v else "–" for c, _ in cols]
+        def cell(r):
+            graph = f" / {_num(r['us_cudagraph'])}" if r.get("us_cudagraph") else ""
+            return f"{_num(r['us'])}{graph} ({float(r['tflops']):.0f})"
+
+        cells = [cell(v[c]) if c in v else "–" for c, _ in cols]
         out.append(f"| {case} | {m}×{n}×{k} | " + " | ".join(cells) + " |")
     return out
 
 
 def fp8_kv_attention(rows: list[dict]) -> list[str]:
-    out = ["| B | S | floor | variant | µs | × floor |", "|---|---|---|---|---|---|"]
+    out = ["| B | S | floor | variant | µs | × floor | µs, CUDA graph | × floor |", "|---" * 8 + "|"]
     for r in rows:
-        out.append(f"| {r['B']} | {r['S']} | {_num(r['floor_us'])} | {r['variant']} | {_num(r['us'])} | {r['x_floor']} |")
+        graph = (_num(r["us_cudagraph"]), r["x_floor_cudagraph"]) if r.get("us_cudagraph") else ("–", "–")
+        out.append(f"| {r['B']} | {r['S']} | {_num(r['floor_us'])} | {r['variant']} | {_num(r['us'])} | {r['x_floor']} "
+                   f"| {graph[0]} | {graph[1]} |")
     return out
 
 

@@ -5,6 +5,7 @@ that the matmul is gone, and compare the result with the same function run in fl
 activations upcast, 8-bit codes exact). Near misses must leave the graph as written.
 """
 import functools
+import os
 
 import pytest
 import torch
@@ -353,3 +354,49 @@ def test_odd_block_sizes_do_not_fold():
                              fired={"decode_matmul": 1})
     assert FUSED not in result.targets
     assert any("power of two" in r for r in _reasons()), _reasons()
+
+
+
+_WRITES_PROBE = """
+import torch, triton
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from triton.backends.compiler import GPUTarget
+from fusekern.kernels import scaled_mm as S
+
+class Hopper:  # a compile target without a GPU: the TTIR is all the analysis needs
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver.set_active(Hopper())
+captured = {}
+
+class Capture:  # stands in for wrap_triton: records the launch instead of running it
+    def __init__(self, kernel):
+        self.kernel = kernel
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: captured.update(kernel=self.kernel, args=args, kwargs=kwargs)
+
+f8 = torch.float8_e4m3fn
+a, b = torch.empty(16, 256).to(f8), torch.empty(128, 256).to(f8)
+S.scaled_mm_triton(a, b, torch.empty(16), torch.empty(128), torch.empty(128), None, out_dtype=torch.bfloat16,
+                   wrap=Capture)
+fn = captured["kernel"]
+kwargs = dict(zip(fn.arg_names, captured["args"]), **captured["kwargs"])
+kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+rw = identify_accessed_tensors(fn, kwargs, {}).read_writes
+print(sorted(d.name for d in rw.writes))
+"""
+
+
+def test_inductor_sees_the_traced_launch_write_only_its_output():
+    """The static-M CUDA path hands inductor a wrapped Triton launch. Inductor reads the kernel's TTIR to
+    find what it writes; where it cannot (e.g. inline asm), it assumes every input is written and clones
+    them (a copy of the weight per call), and the rewrite falls back to the op. Checked for sm_90 without a
+    GPU, in a process without the interpreter."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", _WRITES_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['out_ptr']", proc.stdout + proc.stderr[-3000:]

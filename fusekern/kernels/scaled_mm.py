@@ -291,7 +291,10 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
         BLOCK_SCALED=blocked, EVEN_K=K % cfg.BLOCK_K == 0,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_compute_constexprs(a.dtype, b.dtype), **remat_flags(cfg.remat),
+        **_compute_constexprs(a.dtype, b.dtype),
+        # Inductor finds what a wrapped kernel writes by reading its TTIR and cannot read the inline asm of
+        # the block-index remat hint (it would then assume every input is written and clone the weight).
+        **remat_flags(cfg.remat if wrap is None else "off"),
     )
     return out
 

@@ -26,6 +26,7 @@ weight-only quantization: that belongs to the dequant family (hand-tuned decode 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import operator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from fusekern.patterns.registry import register_rewrite
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+log = logging.getLogger("fusekern")
 
 NAME = "scale_folding"
 MATMULS = (aten.mm.default, aten.addmm.default)
@@ -459,8 +461,12 @@ class _Emitter:
             it = iter(tensors)
             return fn(*(next(it) if isinstance(a, Node) else a for a in args))
 
-        with self.mode:
-            gm = fwd_only(on_tensors, [n.meta["val"] for n in nodes])
+        try:
+            with self.mode:
+                gm = fwd_only(on_tensors, [n.meta["val"] for n in nodes])
+        except Exception as e:  # noqa: BLE001 - the registered op computes the same; say why in the log
+            log.info("fusekern: inlining %s failed (%s: %s); using the registered op", fn.__name__, type(e).__name__, e)
+            return None
         for n in gm.graph.nodes:
             if n.op != "call_function":
                 continue
