@@ -359,7 +359,7 @@ def test_odd_block_sizes_do_not_fold():
 
 _WRITES_PROBE = """
 import torch, triton
-from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from torch._higher_order_ops import triton_kernel_wrap as W
 from triton.backends.compiler import GPUTarget
 from fusekern.kernels import scaled_mm as S
 
@@ -383,8 +383,10 @@ S.scaled_mm_triton(a, b, torch.empty(16), torch.empty(128), torch.empty(128), No
 fn = captured["kernel"]
 kwargs = dict(zip(fn.arg_names, captured["args"]), **captured["kwargs"])
 kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-rw = identify_accessed_tensors(fn, kwargs, {}).read_writes
-print(sorted(d.name for d in rw.writes))
+if hasattr(W, "identify_accessed_tensors"):  # torch >= 2.12
+    print(sorted(d.name for d in W.identify_accessed_tensors(fn, kwargs, {}).read_writes.writes))
+else:  # torch 2.11
+    print(sorted(W.identify_mutated_tensors(fn, kwargs, {})))
 """
 
 
