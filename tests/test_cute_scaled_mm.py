@@ -3,7 +3,9 @@
 CPU (CI): every shipped specialization builds for sm_90a without a GPU and has no local memory;
 ``supports`` gives reasons for bad input and ``cute_scaled_mm`` raises on them; the float64 reference
 matches a plain computation. GPU (``gpu`` marker): results against the reference for every shipped
-epilogue combination, odd M, N and K tails, and no recompilation when only M changes.
+epilogue combination, odd M, N and K tails, and no recompilation when only M changes; the DeepSeek
+128x128 block-scaled fp8 GEMM (``-k block``) against the reference, with a one-row a_block, N / K
+tails and the row/col/bias epilogue.
 """
 import itertools
 import math
@@ -35,6 +37,7 @@ def test_aot_compile_sm90a_builds_every_shipped_config(tmp_path):
     names = {b["name"] for b in builds}
     assert "f8e4m3_bf16_128x128_row_col_biasbf16" in names
     assert "bf16_bf16_128x128_col_res" in names
+    assert "f8e4m3_bf16_128x128_block128" in names
     for build in builds:
         assert build["cubin"] and os.path.getsize(build["cubin"]) > 0, build["name"]
         print(f"{build['name']}: REG {build.get('registers')} STACK {build.get('stack')} "
@@ -81,9 +84,42 @@ BAD_CASES = {
     "row wrong dtype": lambda: (*_operands(), {"row": torch.ones(16, dtype=torch.bfloat16)}),
     "col wrong length": lambda: (*_operands(), {"col": torch.ones(31)}),
     "residual wrong dtype": lambda: (*_operands(), {"residual": torch.ones(16, 32)}),
-    "block scales": lambda: (*_operands(dtype=torch.float8_e4m3fn),
-                             {"a_block": torch.ones(16, 1), "b_block": torch.ones(1, 1)}),
 }
+
+
+def _block_operands(m=16, n=200, k=304, dtype=torch.float8_e4m3fn):
+    """fp8 operands with valid 128x128 block scales (N and K tails): a_block [m, 3], b_block [2, 3]."""
+    a, b = _operands(m, n, k, dtype=dtype)
+    return a, b, torch.ones(m, math.ceil(k / 128)), torch.ones(math.ceil(n / 128), math.ceil(k / 128))
+
+
+def _block_case(change):
+    a, b, a_block, b_block = _block_operands()
+    kwargs = {"a_block": a_block, "b_block": b_block}
+    return change(a, b, kwargs)
+
+
+BLOCK_BAD_CASES = {  # case -> (arguments, a word the reason must contain)
+    "block scales on bf16": (lambda: (*_block_operands(dtype=torch.bfloat16)[:2],
+                                      dict(zip(("a_block", "b_block"), _block_operands()[2:]))), "fp8"),
+    "a_block only": (lambda: _block_case(lambda a, b, kw: (a, b, {"a_block": kw["a_block"]})), "both"),
+    "b_block only": (lambda: _block_case(lambda a, b, kw: (a, b, {"b_block": kw["b_block"]})), "both"),
+    "a_block bf16": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "a_block": kw["a_block"].bfloat16()})), "float32"),
+    "b_block float64": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "b_block": kw["b_block"].double()})), "float32"),
+    "a_block too few K blocks": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "a_block": kw["a_block"][:, :2]})), "shape"),
+    "a_block wrong rows": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "a_block": torch.ones(2, 3)})), "shape"),
+    "b_block per-row (not per 128 rows)": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "b_block": torch.ones(200, 3)})), "shape"),
+    "a_block 1-D": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "a_block": torch.ones(3)})), "shape"),
+    "a_block K-strided": (lambda: _block_case(
+        lambda a, b, kw: (a, b, {**kw, "a_block": torch.ones(3, 16).T})), "stride"),
+}
+BAD_CASES.update({name: case for name, (case, _) in BLOCK_BAD_CASES.items()})
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
@@ -103,6 +139,62 @@ def test_supports_reasons_name_the_problem():
         assert "K-major" in csm.supports(a, torch.randn(64, 32).bfloat16().T, out_dtype=torch.bfloat16)
         assert "aligned" in csm.supports(_misaligned(16, 64), b, out_dtype=torch.bfloat16)
         assert "16 bytes" in csm.supports(*_operands(k=12), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_BAD_CASES))
+def test_supports_block_scale_reasons_name_the_problem(case):
+    if csm._CUTLASS_ERROR is not None:
+        pytest.skip(csm._CUTLASS_ERROR)
+    make, word = BLOCK_BAD_CASES[case]
+    a, b, kwargs = make()
+    reason = csm.supports(a, b, out_dtype=torch.bfloat16, **kwargs)
+    assert word in reason, (case, reason)
+
+
+def test_supports_accepts_valid_block_scales_up_to_the_device():
+    """Valid block scales (M rows, one row, an expanded row, a strided slice) fail only on the device."""
+    if csm._CUTLASS_ERROR is not None:
+        pytest.skip(csm._CUTLASS_ERROR)
+    a, b, a_block, b_block = _block_operands()
+    for a_scales in (a_block, a_block[:1], a_block[:1].expand(16, 3), torch.ones(16, 6)[:, ::2].contiguous(),
+                     torch.ones(16, 5)[:, 1:4]):
+        reason = csm.supports(a, b, a_block=a_scales, b_block=b_block, out_dtype=torch.bfloat16)
+        assert "cpu" in reason.lower(), reason
+    reason = csm.supports(a, b, a_block=a_block, b_block=b_block[:1].expand(2, 3), out_dtype=torch.bfloat16)
+    assert "cpu" in reason.lower(), reason
+    a = torch.empty(8, 1008, dtype=torch.float8_e4m3fn, device="meta")  # partial last K block
+    b = torch.empty(296, 1008, dtype=torch.float8_e4m3fn, device="meta")
+    reason = csm.supports(a, b, a_block=torch.empty(8, 8, device="meta"), b_block=torch.empty(3, 8, device="meta"),
+                          out_dtype=torch.bfloat16)
+    assert "meta" in reason, reason
+
+
+def test_block_scaled_k_1000_and_n_300_are_refused():
+    for n, k in ((296, 1000), (300, 1008)):
+        a, b, a_block, b_block = _block_operands(n=n, k=k)
+        reason = csm.supports(a, b, a_block=a_block, b_block=b_block, out_dtype=torch.bfloat16)
+        assert "16 bytes" in reason or csm._CUTLASS_ERROR, reason
+
+
+def test_block_scaled_config_and_scale_views():
+    a, b, a_block, b_block = _block_operands(m=1000, n=7168, k=7168)
+    for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (4096, (128, 128))):
+        config = csm.config_for(a[:m], b, out_dtype=torch.bfloat16, block_scaled=True)
+        assert config.block_scaled and (config.tile_m, config.tile_n) == tile
+        assert config.name.endswith("block128")
+    if csm._CUTLASS_ERROR is None:  # block scales need the 128-wide N tile and fp8
+        with pytest.raises(ValueError):
+            csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", 128, 256, block_scaled=True))
+        with pytest.raises(ValueError):
+            csm._ScaledMmKernel(csm.KernelConfig("bf16", "bf16", 128, 128, block_scaled=True))
+    # What the kernel loads: views of the same elements with a unit last stride.
+    one_row = torch.rand(1, 3)
+    for scales in (torch.rand(5, 3), one_row, one_row.expand(5, 3), torch.rand(3, 5).T[:, :1], torch.rand(7, 3)[::2]):
+        view = csm._scales_for_kernel(scales)
+        assert view.stride(1) == 1 and view.data_ptr() == scales.data_ptr()
+        assert torch.equal(view, scales[: view.shape[0]])
+        assert view.shape[0] in (1, scales.shape[0])
+    assert csm._scales_for_kernel(one_row.expand(5, 3)).shape == (1, 3)
 
 
 def test_supports_never_raises_on_fake_and_meta_tensors():
@@ -254,3 +346,77 @@ def test_runs_on_the_current_stream():
         out = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **epi)
     stream.synchronize()
     assert _rel_err(out, csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **epi)) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: DeepSeek 128x128 block-scaled fp8
+# --------------------------------------------------------------------------------------------------
+
+BLOCK_TOLERANCE = 1e-2  # relative, bf16 output
+
+
+def _block_inputs(m, n, k, one_row_a=False, has_row=False, has_col=False, bias_dtype=None, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    a, b = randn(m, k).to(torch.float8_e4m3fn), randn(n, k).to(torch.float8_e4m3fn)
+    kb, nb = math.ceil(k / 128), math.ceil(n / 128)
+    # Scales spread over ~4 octaves so that a scale read for the wrong row / N tile / K block shows.
+    a_block = torch.exp2(randn(1 if one_row_a else m, kb).clamp(-2, 2))
+    b_block = torch.exp2(randn(nb, kb).clamp(-2, 2))
+    kwargs = {
+        "a_block": a_block, "b_block": b_block,
+        "row": randn(m).abs() + 0.5 if has_row else None,
+        "col": randn(n).abs() + 0.5 if has_col else None,
+        "bias": randn(n).to(bias_dtype) if bias_dtype is not None else None,
+    }
+    return a, b, kwargs
+
+
+def _check_block(m, n, k, one_row_a=False, has_row=False, has_col=False, bias_dtype=None):
+    a, b, kwargs = _block_inputs(m, n, k, one_row_a, has_row, has_col, bias_dtype)
+    assert csm.supports(a, b, out_dtype=torch.bfloat16, **kwargs) is None
+    _poison_allocator(m, n, torch.bfloat16)
+    out = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
+    torch.cuda.synchronize()
+    ref = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **kwargs)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    err = _rel_err(out, ref)
+    assert err < BLOCK_TOLERANCE, (m, n, k, one_row_a, has_row, has_col, bias_dtype, err)
+    return a, b, kwargs, out
+
+
+@pytest.mark.gpu
+# K = 1008: a partial last K block (7 * 128 + 112); N = 296: a partial last N block (2 * 128 + 40).
+# K = 1000 and N = 300 themselves are refused: TMA needs 16-byte rows, and 1000 fp8 bytes (a, b) or
+# 300 bf16 values (the output) are not (test_block_scaled_k_1000_and_n_300_are_refused).
+@pytest.mark.parametrize("n,k", [(256, 512), (7168, 7168), (296, 1008)], ids=lambda v: str(v))
+@pytest.mark.parametrize("m", [1, 100, 1000, 4096])
+def test_block_scaled_matches_reference(m, n, k):
+    _check_block(m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 296, 1008), (100, 7168, 512), (1000, 296, 1008), (4096, 256, 7168)])
+@pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])
+@pytest.mark.parametrize("epilogue", [(False, False, None), (True, True, torch.bfloat16), (False, True, torch.float32)],
+                         ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
+def test_block_scaled_epilogue_and_one_row_a(m, n, k, one_row_a, epilogue):
+    _check_block(m, n, k, one_row_a, *epilogue)
+
+
+@pytest.mark.gpu
+def test_block_scaled_expanded_a_block_and_no_recompile():
+    a, b, kwargs, out = _check_block(1000, 296, 1008, one_row_a=True)
+    size = csm.cache_size()
+    expanded = dict(kwargs, a_block=kwargs["a_block"].expand(1000, -1))  # row stride 0
+    assert torch.equal(csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **expanded), out)
+    one_b = dict(kwargs, b_block=kwargs["b_block"][:1].expand(3, -1))  # every N block: row 0
+    out_b = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **one_b)
+    ref_b = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **one_b)
+    assert _rel_err(out_b, ref_b) < BLOCK_TOLERANCE
+    _check_block(777, 296, 1008)  # same 128x128 specialization
+    assert csm.cache_size() == size

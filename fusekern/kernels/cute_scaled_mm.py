@@ -27,7 +27,26 @@ Design
   kept in ``_COMPILED``; calls marshal torch tensors with ``from_dlpack`` (a few µs each) and never
   re-trace. ``aot_compile_sm90a`` builds the same specializations for sm_90a on a machine without a
   GPU and reads their registers and spills.
-* DeepSeek-style block scales (``a_block`` / ``b_block``) are not implemented: ``supports`` says so.
+* DeepSeek-style 128x128 block scales (fp8 only), a compile-time flag of the same kernel
+  (``KernelConfig.block_scaled``):
+
+      out[m, n] = cast( sum_kb a_block[m, kb] * b_block[n // 128, kb] * (a[m, kb] . b[n, kb]) * row[m]
+                        * col[n] + bias[n] + residual[m, n] )
+
+  a_block is fp32 [M, ceil(K/128)] or [1, ceil(K/128)] (one row, broadcast over M; an expanded row of
+  stride 0 is passed as one row), b_block fp32 [ceil(N/128), ceil(K/128)] (an expanded one likewise,
+  both row indices are clamped to the last row); both take any row stride (0 included)
+  and need a unit K-block stride (a one-column matrix may have any). The K tile is 128, one scale
+  block, and the N tile 128, so b_block is one scalar per (tile, K block). "Promotion": each K tile's
+  WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step); after ``wait_group(0)`` the
+  stage is released and the fragment is folded into the main accumulator with one FMA per register,
+  scaled by a_block of the register's row times the b_block scalar. Two 64x128 fp32 fragments per
+  consumer warpgroup (128 registers), so tiles are 128x128 (two consumers) or 64x128 (M <= 64). The
+  scales are read straight from global memory (a few KiB, L2/L1-resident) by the consumer threads,
+  issued before the stage is awaited so that the MMAs hide their latency; the other consumer
+  warpgroup's WGMMAs keep the tensor cores busy through one warpgroup's wait and FMAs. M-tail rows and
+  a one-row a_block both come from clamping the a_block row index to its last row. The last K block
+  may be partial: TMA zero-fills it.
 """
 from __future__ import annotations
 
@@ -79,6 +98,8 @@ class KernelConfig:
     has_col: bool = False
     bias: Optional[str] = None  # bias dtype, None when there is no bias
     has_residual: bool = False
+    # DeepSeek-style 128x128 block scales (a_block / b_block): fp8 only, tile_n 128, K tile 128.
+    block_scaled: bool = False
 
     @property
     def name(self) -> str:
@@ -88,6 +109,8 @@ class KernelConfig:
             parts.append(f"bias{self.bias}")
         if self.has_residual:
             parts.append("res")
+        if self.block_scaled:
+            parts.append("block128")
         return "_".join(parts)
 
 
@@ -104,6 +127,15 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     if math.ceil(m / 128) * math.ceil(n / 256) >= num_sms:
         return 128, 256
     return 128, 128
+
+
+def block_scaled_heuristics(m: int) -> tuple[int, int]:
+    """(tile_m, tile_n) for block-scaled fp8: N tile 128 (one b_block scalar per tile and K block).
+
+    Two fp32 fragments (the per-K-block product and the scaled sum) are 128 registers per thread, so
+    each consumer warpgroup keeps a 64x128 slab: 128x128 with two consumers, 64x128 for a small batch.
+    """
+    return (64, 128) if m <= 64 else (128, 128)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,11 +205,44 @@ def _check_device(tensors) -> Optional[str]:
     return None
 
 
+SCALE_BLOCK = 128  # the K (and N) width of one block scale
+
+
+def _check_block_scales(a, b, a_block, b_block) -> Optional[str]:
+    """a_block fp32 [M or 1, ceil(K/128)], b_block fp32 [ceil(N/128), ceil(K/128)], unit last stride.
+
+    Any row stride (0 included: an expanded row) is accepted; a one-column scale may have any strides.
+    """
+    if a_block is None or b_block is None:
+        return "block scales need both a_block and b_block"
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        return f"block scales need fp8 e4m3 a and b, got {a.dtype}/{b.dtype}"
+    if a.dim() != 2 or b.dim() != 2:
+        return "a and b must be 2-D"
+    m, k = a.shape
+    n = b.shape[0]
+    kb = math.ceil(k / SCALE_BLOCK)
+    nb = math.ceil(n / SCALE_BLOCK)
+    for name, t, rows in (("a_block", a_block, (m, 1)), ("b_block", b_block, (nb,))):
+        if t.dtype != torch.float32:
+            return f"{name} dtype {t.dtype} not supported (float32 block scales only)"
+        if t.dim() != 2 or t.shape[1] != kb or t.shape[0] not in rows:
+            want = " or ".join(f"[{r}, {kb}]" for r in rows)
+            return (f"{name} must have shape {want} (128x128 blocks: ceil(K/128) = {kb} K blocks), "
+                    f"got {tuple(t.shape)}")
+        if t.stride(1) != 1 and t.shape[1] != 1:
+            return f"{name} needs a unit last stride (stride {tuple(t.stride())})"
+        if not _is_fake(t) and t.data_ptr() % 4 != 0:
+            return f"{name}'s base pointer is not 4-byte aligned"
+    return None
+
+
 def _supports(a, b, row, col, bias, residual, out_dtype, a_block, b_block) -> Optional[str]:
     if _CUTLASS_ERROR is not None:
         return _CUTLASS_ERROR
     if a_block is not None or b_block is not None:
-        return "block scales (a_block/b_block) are not implemented in this kernel"
+        if reason := _check_block_scales(a, b, a_block, b_block):
+            return reason
     if a.dtype not in _AB_DTYPES or b.dtype != a.dtype:
         return f"a/b dtypes {a.dtype}/{b.dtype} not supported (both fp8 e4m3, bf16 or fp16)"
     if out_dtype not in _OUT_DTYPES:
@@ -197,7 +262,7 @@ def _supports(a, b, row, col, bias, residual, out_dtype, a_block, b_block) -> Op
         return "N * output element size is not a multiple of 16 bytes (TMA store rows)"
     if reason := _check_epilogue(m, n, out_dtype, row, col, bias, residual):
         return reason
-    present = [t for t in (a, b, row, col, bias, residual) if t is not None]
+    present = [t for t in (a, b, row, col, bias, residual, a_block, b_block) if t is not None]
     return _check_device(present)
 
 
@@ -275,6 +340,8 @@ if _CUTLASS_ERROR is None:
         smem_bytes = 232448 - 1024  # sm_90 opt-in shared memory, less the mbarrier area
 
         def __init__(self, config: KernelConfig):
+            if config.block_scaled and (config.ab != "f8e4m3" or config.tile_n != SCALE_BLOCK):
+                raise ValueError(f"block-scaled kernels are fp8 with a 128-wide N tile, not {config}")
             self.config = config
             self.ab_dtype = _CUTE_DTYPES[config.ab]
             self.out_dtype = _CUTE_DTYPES[config.out]
@@ -326,6 +393,8 @@ if _CUTLASS_ERROR is None:
             mCol: Optional[cute.Tensor],
             mBias: Optional[cute.Tensor],
             mRes: Optional[cute.Tensor],
+            mSA: Optional[cute.Tensor],
+            mSB: Optional[cute.Tensor],
             num_sms: cutlass.Int32,
             stream: cuda.CUstream,
         ):
@@ -359,7 +428,7 @@ if _CUTLASS_ERROR is None:
             self.shared_storage = SharedStorage
             self.kernel(
                 tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD, mD,
-                mRow, mCol, mBias, mRes, self.tiled_mma, sched_params,
+                mRow, mCol, mBias, mRes, mSA, mSB, self.tiled_mma, sched_params,
                 self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
             ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1),
                      min_blocks_per_mp=1, stream=stream)
@@ -380,6 +449,8 @@ if _CUTLASS_ERROR is None:
             mCol: Optional[cute.Tensor],
             mBias: Optional[cute.Tensor],
             mRes: Optional[cute.Tensor],
+            mSA: Optional[cute.Tensor],
+            mSB: Optional[cute.Tensor],
             tiled_mma: cute.TiledMma,
             sched_params: utils.PersistentTileSchedulerParams,
             a_smem_staged: cute.ComposedLayout,
@@ -410,7 +481,7 @@ if _CUTLASS_ERROR is None:
             else:
                 cute.arch.setmaxregister_increase(self.consumer_registers)
                 self._consume(ab_pipeline, tiled_mma, sA, sB, sD, mA, tma_d, mD_tma, mD,
-                              mRow, mCol, mBias, mRes, sched_params, tidx, warp_idx)
+                              mRow, mCol, mBias, mRes, mSA, mSB, sched_params, tidx, warp_idx)
 
         def _make_ab_pipeline(self, barrier_ptr, a_smem_staged, b_smem_staged):
             """Full/empty mbarrier ring: TMA transaction bytes complete 'full', consumer warps 'empty'."""
@@ -463,7 +534,7 @@ if _CUTLASS_ERROR is None:
 
         @cute.jit
         def _consume(self, ab_pipeline, tiled_mma, sA, sB, sD, mA, tma_d, mD_tma, mD,
-                     mRow, mCol, mBias, mRes, sched_params, tidx, warp_idx):
+                     mRow, mCol, mBias, mRes, mSA, mSB, sched_params, tidx, warp_idx):
             mma_tidx = tidx - self.threads_per_warpgroup
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -472,6 +543,12 @@ if _CUTLASS_ERROR is None:
             acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             k_tiles = cute.ceil_div(mA.shape[1], self.tile_mnk[2])
+            acc_kb = None
+            tCcAcc = None
+            if cutlass.const_expr(self.config.block_scaled):
+                # The fragment one K block's WGMMAs write; it is scaled into `acc` after each block.
+                acc_kb = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                tCcAcc = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))  # (row, col) per register
 
             # Register -> shared copy of one epilogue slice (stmatrix for 16-bit outputs).
             r2s = self._make_r2s_copy(tiled_mma)
@@ -494,8 +571,13 @@ if _CUTLASS_ERROR is None:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             while work.is_valid_tile:
-                read_state, release_state = self._mainloop(
-                    ab_pipeline, tiled_mma, tCrA, tCrB, acc, k_tiles, read_state, release_state)
+                if cutlass.const_expr(self.config.block_scaled):
+                    read_state, release_state = self._mainloop_block_scaled(
+                        ab_pipeline, tiled_mma, tCrA, tCrB, acc, acc_kb, tCcAcc, k_tiles,
+                        read_state, release_state, mSA, mSB, work.tile_idx)
+                else:
+                    read_state, release_state = self._mainloop(
+                        ab_pipeline, tiled_mma, tCrA, tCrB, acc, k_tiles, read_state, release_state)
                 # Rematerialize: the tile's coordinates come back from the scheduler here, after the
                 # K loop, rather than living in registers through it.
                 tile = sched.get_current_work().tile_idx
@@ -534,6 +616,52 @@ if _CUTLASS_ERROR is None:
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, acc_kb, tCcAcc, k_tiles,
+                                   read_state, release_state, mSA, mSB, tile):
+            """acc = sum over K blocks kb of a_block[m, kb] * b_block[tile_n, kb] * (WGMMA product of kb).
+
+            "Promotion": each 128-deep K tile is one scale block. Its WGMMAs write a fresh fragment
+            (``acc_kb``, ACCUMULATE off on the first K step), the warpgroup waits for them, releases the
+            stage, and folds ``acc_kb`` into ``acc`` with one FMA per register. The tensor cores stay
+            busy through a consumer's wait and FMAs with the other consumer warpgroup's WGMMAs. The
+            scales of block kb (two a_block values: the two accumulator rows each thread owns, and one
+            b_block scalar) are loaded from global memory (L2/L1-resident) before the stage is awaited,
+            so their latency hides behind the wait and the MMAs.
+            """
+            read_state.reset_count()
+            release_state.reset_count()
+            acc.fill(0.0)
+            # Registers of one accumulator row share a scale: group them at trace time (the grouping
+            # is the same for every thread of the WGMMA C layout; thread 0 gives it statically).
+            slot_of, slot_rep = _row_slots(tiled_mma, (self.tile_mnk[0], self.tile_mnk[1]))
+            sa_last = mSA.shape[0] - 1  # 0 for a one-row (broadcast) a_block; clamps M-tail rows
+            row0 = tile[0] * self.tile_mnk[0]
+            sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
+            # tile_n == 128: one b_block row per N tile (clamped: an expanded b_block arrives as one row)
+            sb_row = cutlass.min(tile[1], mSB.shape[0] - 1)
+            # A fresh atom per K block: its ACCUMULATE field changes inside the dynamic loop.
+            for kb in range(k_tiles):
+                sb = mSB[sb_row, kb]
+                sa = [mSA[r, kb] for r in sa_rows]
+                ab_pipeline.consumer_wait(read_state)
+                cute.nvgpu.warpgroup.fence()  # acc_kb was read by the previous block's FMAs
+                mma_atom = cute.make_mma_atom(tiled_mma.op)
+                mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                    coord = (None, None, kk, read_state.index)
+                    cute.gemm(mma_atom, acc_kb, tCrA[coord], tCrB[coord], acc_kb)
+                    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(read_state)
+                read_state.advance()
+                release_state.advance()
+                scale = [v * sb for v in sa]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + acc_kb[i] * scale[slot_of[i]]
             return read_state, release_state
 
         @cute.jit
@@ -600,6 +728,15 @@ if _CUTLASS_ERROR is None:
                 value = _add_residual(value, mRes, m, n)
                 frag[i] = value
 
+    def _row_slots(tiled_mma, tile_mn):
+        """(slot of each accumulator register, one register index per slot): registers grouped by row."""
+        coords = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
+        rows = [coords[i][0] for i in range(cute.size(coords))]
+        distinct = sorted(set(rows))
+        slot_of = [distinct.index(r) for r in rows]
+        slot_rep = [rows.index(r) for r in distinct]
+        return slot_of, slot_rep
+
     # Epilogue pieces. Each is a no-op at trace time when its tensor is None (the compile-time flag),
     # so a specialization contains exactly the pieces it was compiled with.
 
@@ -647,6 +784,8 @@ def _fake_arguments(config: KernelConfig):
         _fake_vector(cutlass.Float32) if config.has_col else None,
         _fake_vector(_CUTE_DTYPES[config.bias]) if config.bias else None,
         _fake_matrix(out, out.width // 8) if config.has_residual else None,
+        _fake_matrix(cutlass.Float32, 4) if config.block_scaled else None,  # a_block
+        _fake_matrix(cutlass.Float32, 4) if config.block_scaled else None,  # b_block
         cutlass.Int32(132),
         make_fake_stream(),
     )
@@ -697,18 +836,43 @@ def _as_cute(t: Optional[torch.Tensor], align: int):
     return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=1)
 
 
-def config_for(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, num_sms=132) -> KernelConfig:
-    tile_m, tile_n = heuristics(a.shape[0], b.shape[0], num_sms)
+def config_for(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, num_sms=132,
+               block_scaled=False) -> KernelConfig:
+    if block_scaled:
+        tile_m, tile_n = block_scaled_heuristics(a.shape[0])
+    else:
+        tile_m, tile_n = heuristics(a.shape[0], b.shape[0], num_sms)
     return KernelConfig(
         ab=_AB_DTYPES[a.dtype], out=_OUT_DTYPES[out_dtype], tile_m=tile_m, tile_n=tile_n,
         has_row=row is not None, has_col=col is not None,
         bias=None if bias is None else _BIAS_DTYPES[bias.dtype], has_residual=residual is not None,
+        block_scaled=block_scaled,
     )
+
+
+def _scales_for_kernel(t: torch.Tensor) -> torch.Tensor:
+    """A block-scale matrix as the kernel loads it: unit last stride, a real row stride.
+
+    A one-row or expanded (row stride 0) a_block or b_block becomes one row: the kernel clamps both row
+    indices to the last row, so every row / N tile reads row 0. A one-column matrix gets a unit column
+    stride.
+    These are views (same storage, same elements read), never copies.
+    """
+    rows, cols = t.shape
+    if rows == 1 or t.stride(0) == 0:
+        return t.as_strided((1, cols), (max(cols, 1), t.stride(1) if cols > 1 else 1))
+    if cols == 1 and t.stride(1) != 1:
+        return t.as_strided((rows, 1), (t.stride(0), 1))
+    return t
 
 
 def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, a_block=None,
                    b_block=None) -> torch.Tensor:
-    """out = cast((a @ b.T) * row[:, None] * col[None, :] + bias + residual), fp32 accumulation."""
+    """out = cast((a @ b.T) * row[:, None] * col[None, :] + bias + residual), fp32 accumulation.
+
+    With ``a_block`` / ``b_block`` (fp8 only) the product is DeepSeek's 128x128 block-scaled one:
+    sum over K blocks kb of a_block[m, kb] * b_block[n // 128, kb] * (a[m, kb-block] . b[n, kb-block]).
+    """
     reason = supports(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
                       a_block=a_block, b_block=b_block)
     if reason is not None:
@@ -718,8 +882,9 @@ def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dt
     if m == 0:
         return out
     num_sms = _sm_count(a.device)
+    block_scaled = a_block is not None
     config = config_for(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
-                        num_sms=num_sms)
+                        num_sms=num_sms, block_scaled=block_scaled)
     kernel = compiled_kernel(config)
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     kernel(
@@ -727,6 +892,8 @@ def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dt
         _as_cute(row, 4), _as_cute(col, 4),
         _as_cute(bias, None if bias is None else bias.element_size()),
         _as_cute(residual, None if residual is None else residual.element_size()),
+        _as_cute(_scales_for_kernel(a_block), 4) if block_scaled else None,
+        _as_cute(_scales_for_kernel(b_block), 4) if block_scaled else None,
         cutlass.Int32(num_sms), stream,
     )
     return out
@@ -741,7 +908,8 @@ def shipped_configs() -> list[KernelConfig]:
     """The representative specializations built and checked in CI.
 
     Every tile shape with the fp8 row+col+bias epilogue (the W8A8 linear), every input dtype and
-    output dtype at 128x128, and the remaining epilogue flags (bf16 col+residual, the bare GEMM).
+    output dtype at 128x128, and the remaining epilogue flags (bf16 col+residual, the bare GEMM); the
+    block-scaled fp8 GEMM (DeepSeek linear) bare at both of its tiles and with row+col+bias.
     """
     configs = [KernelConfig("f8e4m3", "bf16", tm, tn, has_row=True, has_col=True, bias="bf16")
                for tm, tn in _TILES]
@@ -752,6 +920,9 @@ def shipped_configs() -> list[KernelConfig]:
         KernelConfig("f16", "f16", 128, 128, has_row=True, bias="f32"),
         KernelConfig("bf16", "f32", 128, 128, has_row=True, has_col=True, bias="f32", has_residual=True),
         KernelConfig("f8e4m3", "f16", 128, 256, has_col=True, has_residual=True),
+        KernelConfig("f8e4m3", "bf16", 128, 128, block_scaled=True),
+        KernelConfig("f8e4m3", "bf16", 64, 128, block_scaled=True),
+        KernelConfig("f8e4m3", "bf16", 128, 128, has_row=True, has_col=True, bias="bf16", block_scaled=True),
     ]
     return configs
 
