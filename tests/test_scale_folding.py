@@ -402,3 +402,86 @@ def test_inductor_sees_the_traced_launch_write_only_its_output():
     proc = subprocess.run([sys.executable, "-c", _WRITES_PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "['out_ptr']", proc.stdout + proc.stderr[-3000:]
+
+
+# -- review regressions: each once fired and computed something else, or broke the compile ---------------
+
+
+def test_a_second_bias_after_addmm_is_kept():
+    i = _inputs()
+    f = lambda dt, x, w, b1, b2: F.linear(x.to(dt) * 2.0, w.to(dt), b1.to(dt)) + b2.to(dt)  # noqa: E731
+    _check(f, (i["x"], i["w"], i["bias"], i["bias"] * 10), out_dtype=BF16)
+
+
+@pytest.mark.parametrize("form", ["scale_after_flatten", "row_scale_then_view", "col_scale_then_view"])
+def test_scales_found_before_the_batch_reshape(form):
+    i = _inputs()
+    x3 = i["x"].view(4, 6, -1)
+    forms = {
+        "scale_after_flatten": (lambda dt, x, w, s: (x.to(dt).reshape(-1, x.shape[-1]) * s.to(dt)) @ w.to(dt).t(),
+                                i["s_tok"]),
+        "row_scale_then_view": (lambda dt, x, w, s: ((x.to(dt).reshape(-1, x.shape[-1]) @ w.to(dt).t()) * s)
+                                .view(4, 6, -1), i["s_tok"]),
+        "col_scale_then_view": (lambda dt, x, w, s: ((x.to(dt).reshape(-1, x.shape[-1]) @ w.to(dt).t()) * s)
+                                .view(4, 6, -1), i["s_col"]),
+    }
+    fn, s = forms[form]
+    _check(fn, (x3, i["w"], s))
+
+
+def test_integer_arithmetic_is_not_a_scale():
+    i = _inputs()
+    wrapped = lambda dt, x, w: (x * 2).to(dt) @ w.to(dt).t() * 0.5  # noqa: E731 - int8 x * 2 wraps around
+    result = _check(wrapped, (i["xi8"], i["wi8"]))
+    assert "aten.mul.Tensor" in result.targets  # the wrapped int8 product is computed as written
+
+
+def test_block_views_that_do_not_fit_are_declined():
+    i = _inputs(M=16, N=256, K=256)
+
+    def tall_blocks(dt, x8, w8, s):  # activation blocks of 2 x 128: not one a_block row each
+        M, K = x8.shape
+        return (x8.to(dt).view(M // 2, 2, K // 128, 128) * s.to(dt)[:, None, :, None]).view(M, K) @ w8.to(dt).t()
+
+    f = functools.partial(tall_blocks, BF16)
+    result = assert_compiled(f, (i["x8"], i["w8"], torch.rand(8, 2, device=DEVICE)), fired={"decode_matmul": 1})
+    assert FUSED not in result.targets
+
+
+def test_a_rounding_cast_of_the_raw_operand_is_kept():
+    # w.to(fp16) rounds (and overflows) the raw bf16 weight before the scale: the kernel must read that result.
+    g = torch.Generator().manual_seed(4)
+    x8 = _draw((8, 64), E4M3, g)
+    w = (torch.randn(32, 64, generator=g) * 1e5).to(DEVICE, BF16)
+    s = torch.tensor(1e-3, dtype=FP16, device=DEVICE)
+    f = functools.partial(lambda dt, x8, w, s: x8.to(FP16) @ (w.to(FP16) * s).t(), BF16)
+    got = torch.compile(f, backend="fusekern")(x8, w, s)
+    want = f(x8, w, s)
+    assert torch.equal(got.isfinite(), want.isfinite())
+
+
+def _fake_cuda_graph(fn, args):
+    """The post-grad graph inductor would hand the passes on a GPU machine, built from fake CUDA tensors."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusekern.compiler_pass.canonicalize import canonicalize
+
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    canonicalize(gm.graph)
+    gm.graph.eliminate_dead_code()
+    return gm.graph
+
+
+def test_a_cpu_scalar_with_cuda_operands_declines_instead_of_breaking_the_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusekern.patterns import scale_folding as SF
+
+    def legacy(x8, w8, sx, sw):  # 0-d CPU scales with CUDA operands: valid in eager
+        return F.linear(x8.to(BF16) * sx.to(BF16), w8.to(BF16) * sw.to(BF16))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = (torch.empty(16, 128, device="cuda", dtype=E4M3), torch.empty(64, 128, device="cuda", dtype=E4M3),
+                torch.tensor(0.5), torch.tensor(0.25))
+    assert SF.rewrite_scaled_matmuls(_fake_cuda_graph(legacy, args)) == 0

@@ -133,3 +133,36 @@ def test_bf16_cache_is_not_a_candidate():
     k, v = torch.randn(2, 2, 200, 64, device=DEVICE, dtype=BF16), torch.randn(2, 2, 200, 64, device=DEVICE, dtype=BF16)
     check(sdpa, (q, k, ks, v, vs), fired=0)
     assert _reasons() == []
+
+
+def test_a_reshape_that_folds_tokens_into_heads_does_not_fire():
+    q, k8, ks, v8, vs = make(B=2, Hq=8, Hkv=2, S=200, D=64)
+
+    def folded(c, q, k8, ks, v8, vs):
+        B, Hkv, S, D = k8.shape
+        k = (k8.to(q.dtype) * ks[..., None].to(q.dtype))[:, :, None].expand(B, Hkv, 2, S, D).reshape(B, Hkv * 4, S // 2, D)
+        v = (v8.to(q.dtype) * vs.to(q.dtype))[:, :, None].expand(B, Hkv, 2, S, D).reshape(B, Hkv * 4, S // 2, D)
+        return F.scaled_dot_product_attention(q, k, v, scale=c)
+
+    check(folded, (q, k8, ks, v8, vs), fired=0)
+
+
+def test_a_cpu_scalar_with_cuda_caches_declines_instead_of_breaking_the_compile():
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusekern.compiler_pass.canonicalize import canonicalize
+    from fusekern.patterns import scale_folding_attention as SA
+
+    def attn(q, k8, ks, v8, vs):
+        k, v = k8.to(q.dtype) * ks, v8.to(q.dtype) * vs
+        return torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, False, False, scale=0.125)[0]
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = (torch.empty(2, 2, 1, 64, device="cuda", dtype=BF16), torch.empty(2, 2, 256, 64, device="cuda",
+                dtype=torch.float8_e4m3fn), torch.tensor(0.5, dtype=BF16),
+                torch.empty(2, 2, 256, 64, device="cuda", dtype=torch.float8_e4m3fn), torch.tensor(0.25, dtype=BF16))
+    gm = make_fx(attn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    canonicalize(gm.graph)
+    assert SA.rewrite_fp8_kv_attention(gm.graph) == 0

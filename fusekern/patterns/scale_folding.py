@@ -36,7 +36,7 @@ from torch.fx import Graph, Node
 
 from fusekern.kernels import cute_dispatch
 from fusekern.kernels import scaled_mm as kernel
-from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
+from fusekern.patterns.decode.analysis import CODE_DTYPES
 from fusekern.patterns.registry import register_rewrite
 
 aten = torch.ops.aten
@@ -45,6 +45,7 @@ log = logging.getLogger("fusekern")
 
 NAME = "scale_folding"
 MATMULS = (aten.mm.default, aten.addmm.default)
+BOUNDARIES = (*MATMULS, aten.bmm.default, aten.baddbmm.default, aten.convolution.default)
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -177,6 +178,8 @@ def _block_view(view: Node, rows, K):
     xv, sv = _val(x), _val(s) if isinstance(s, Node) else None
     if xv is None or sv is None or xv.dim() != 2 or not sv.dtype.is_floating_point or sv.dtype.itemsize == 1:
         return None
+    if not (_known(xv.shape[0] == rows) and _known(xv.shape[1] == K)):
+        return None  # the view regroups another tensor's elements: not a block-scaled [rows, K] operand
     shape = list(mv.shape)
     try:
         g = int(shape[-1])
@@ -221,18 +224,26 @@ def walk_operand(node: Node, role: str) -> Operand:
     shape = list(v.shape)
     vector_dims = {0} if rows_first else {1}
     factors, block, lead, stop = Factors(), None, None, None
-    scaled = False
     cur = node
+    # A cast that rounds (fp32 -> bf16, bf16 -> fp16) may only be dropped where it rounds a scaled value,
+    # which the kernel keeps in fp32. Walking back from the matmul, such a cast must have a scale
+    # multiplication further up; if the walk ends first, the cast rounded the operand itself and the
+    # kernel reads the cast's result instead.
+    rounding_cast = None
     while True:
         dst = _cast_target(cur)
         if dst is not None:
             src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
-            if src is None or dst not in FLOATS or not (scaled or _exact_cast(src, dst)):
-                break  # a cast that rounds the operand itself: the kernel must read its result
+            if src is None or dst not in FLOATS:
+                break
+            if not _exact_cast(src, dst) and rounding_cast is None:
+                rounding_cast = (cur, len(nodes))
             nodes.append(cur)
             cur = cur.args[0]
             continue
         if _is(cur, aten.mul.Tensor):
+            if not _val(cur).dtype.is_floating_point:
+                break  # integer arithmetic wraps: not a scale
             found = _scale_operand(cur, shape)
             kind = _classify(found[1], shape, vector_dims) if found else None
             if kind is None:
@@ -245,9 +256,9 @@ def walk_operand(node: Node, role: str) -> Operand:
             elif what == "scalar":
                 factors.scalars.append(s)
             else:
-                factors.rows.append((s, tuple(shape)))
+                factors.rows.append((s, tuple(shape), frozenset(vector_dims)))
             nodes.append(cur)
-            cur, scaled = found[0], True
+            cur, rounding_cast = found[0], None
             continue
         if _is(cur, *RESHAPES) and rows_first and block is None and lead is None:
             found = _block_view(cur, R, K)
@@ -256,8 +267,10 @@ def walk_operand(node: Node, role: str) -> Operand:
                 block = (s, sshape, gr, g)
                 mul = cur.args[0]
                 inner = next(a for a in mul.args if isinstance(a, Node) and _is(a, *RESHAPES))
+                if role == "a" and gr != 1:
+                    break  # activation blocks span one row (1 x g); a taller block is not one a_block row
                 nodes.extend([cur, mul, inner])
-                cur, scaled = x, True
+                cur, rounding_cast = x, None
                 continue
             if role == "a":  # [M, K] = reshape([*lead, K]): the activation's batch dims, flattened
                 xv = _val(cur.args[0])
@@ -270,6 +283,8 @@ def walk_operand(node: Node, role: str) -> Operand:
                     vector_dims = set(range(len(shape) - 1))
                     continue
         break
+    if rounding_cast is not None:  # the rounding applied to the unscaled operand: read its result
+        cur, nodes = rounding_cast[0], nodes[:rounding_cast[1]]
     return Operand(cur, factors, nodes, lead, transposed, block, stop)
 
 
@@ -295,6 +310,7 @@ def walk_output(mm: Node, has_bias: bool) -> Output:
     cur = mm
     row_dims, col_dim = {0}, 1
     added = has_bias  # after an add, a product would scale the added term too: stop there
+    bias_taken = has_bias  # addmm's bias: a later per-column add becomes a (broadcast) residual
     while len(cur.users) == 1:
         u = next(iter(cur.users))
         uv = _val(u)
@@ -308,34 +324,35 @@ def walk_output(mm: Node, has_bias: bool) -> Output:
         elif _cast_target(u) is not None:
             if _cast_target(u) not in FLOATS or u.args[0] is not cur:
                 break
-        elif _is(u, aten.mul.Tensor) and not added:
+        elif _is(u, aten.mul.Tensor) and not added and uv.dtype.is_floating_point:
             found = _scale_operand(u, shape)
             if found is None or found[0] is not cur:
                 break
             s = found[1]
             kind = _classify(s, shape, row_dims)
             if kind is not None and kind[0] == "vector":
-                out.factors.rows.append((s, tuple(shape)))
+                out.factors.rows.append((s, tuple(shape), frozenset(row_dims)))
             elif kind is not None:
                 (out.factors.numbers if kind[0] == "number" else out.factors.scalars).append(s)
             else:
                 kind = _classify(s, shape, {col_dim})
                 if kind is None:
                     break
-                out.factors.cols.append((s, tuple(shape)))
+                out.factors.cols.append((s, tuple(shape), frozenset({col_dim})))
         elif _is(u, aten.add.Tensor) and not u.kwargs.get("alpha", 1) != 1:
             found = _scale_operand(u, shape)
             if found is None or found[0] is not cur or not isinstance(found[1], Node):
                 break
             t = found[1]
             col = _classify(t, shape, {col_dim})
-            if col is not None and out.bias is None and col[0] != "number":
+            if col is not None and not bias_taken and col[0] != "number":
                 out.bias = (t, tuple(shape))
             elif out.residual is None and _classify(t, shape, set(range(len(shape)))) is not None:
                 out.residual = (t, tuple(shape))
             else:
                 break
             added = True
+            bias_taken = bias_taken or out.bias is not None
         else:
             break
         out.nodes.append(u)
@@ -358,11 +375,26 @@ class Plan:
 
 
 def _decoded_from_codes(node: Node) -> bool:
-    """The node is computed from integer / fp8 graph inputs (a dequantized weight: the dequant family's)."""
+    """The node is computed from integer / fp8 graph inputs by elementwise work (a dequantized weight: the
+    dequant family's). The walk stops at matmuls and fused ops: a 16-bit activation that came out of an
+    earlier quantized layer is not a decoded weight."""
     if node.op != "call_function":
         return False
-    return any(n.op in ("placeholder", "get_attr") and _val(n) is not None and _val(n).dtype in CODE_DTYPES
-               for n in ancestors(node))
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            if _val(n) is not None and _val(n).dtype in CODE_DTYPES:
+                return True
+            continue
+        if n is not node and (n.op != "call_function" or _is(n, *BOUNDARIES) or "fusekern" in str(n.target)
+                              or "triton_kernel_wrapper" in str(n.target)):
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def plan(mm: Node) -> Plan:
@@ -375,6 +407,8 @@ def plan(mm: Node) -> Plan:
     mv = _val(mm)
     if mv is None or mv.dim() != 2:
         raise Decline("the matmul has no 2-D tensor metadata")
+    if not mv.dtype.is_floating_point:
+        raise Decline(f"an integer matmul ({mv.dtype}): its wrap-around is not the kernel's exact sum")
     a, b = walk_operand(a_node, "a"), walk_operand(b_node, "b")
     out = walk_output(mm, bias is not None)
     av, bv = _val(a.base), _val(b.base)
@@ -398,10 +432,41 @@ def plan(mm: Node) -> Plan:
     out_dtype = _val(out.last).dtype
     if out_dtype not in kernel.OUT_DTYPES:
         raise Decline(f"the result is {out_dtype}")
-    devices = {_val(n).device for n in (a.base, b.base) if _val(n) is not None}
+    if (a.block is not None) != (b.block is not None) and not isinstance(mv.shape[1], int):
+        raise Decline("block scales on one side only and a symbolic N")
+    tensors = [a.base, b.base, bias, *_all_factor_nodes(a, b, out)]
+    devices = {_val(n).device for n in tensors if isinstance(n, Node) and _val(n) is not None}
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
-        raise Decline(f"operands on {sorted(map(str, devices))}")
+        raise Decline(f"operands and scales on {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    if device.type == "cuda" and (av.dtype in FP8 or bv.dtype in FP8) and not _has_fp8(device):
+        raise Decline("fp8 operands on a GPU older than sm_89 (no fp8 tensor cores or conversions)")
     return Plan(mm, a, b, out, bias, out_dtype)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """fp8 MMA and conversions need sm_89 or newer."""
+    try:
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    except Exception:  # noqa: BLE001 - no driver (compiling without a GPU): assume the target is Hopper
+        return True
+
+
+def _all_factor_nodes(a: Operand, b: Operand, out: Output) -> list:
+    """Every tensor the replacement will read besides the operands: scales, block scales, bias, residual."""
+    found = []
+    for f in (a.factors, b.factors, out.factors):
+        found += [*f.scalars, *(r[0] for r in f.rows), *(c[0] for c in f.cols)]
+    for op in (a, b):
+        if op.block is not None:
+            found.append(op.block[0])
+    for t in (out.bias, out.residual):
+        if t is not None:
+            found.append(t[0])
+    return found
 
 
 # ----------------------------------------------------------------------------- the replacement
@@ -419,8 +484,13 @@ class _Emitter:
         with self.graph.inserting_before(self.at):
             n = self.graph.call_function(target, args, kwargs)
         vals = torch.fx.map_arg((args, kwargs), lambda a: a.meta["val"])
-        with self.mode:
-            n.meta["val"] = target(*vals[0], **vals[1])
+        try:
+            with self.mode:
+                n.meta["val"] = target(*vals[0], **vals[1])
+        except (ValueError, RuntimeError, TypeError) as e:
+            # A backstop: plan() should have declined this; never let it break the user's compile.
+            self.graph.erase_node(n)
+            raise Decline(f"{getattr(target, '__name__', target)} does not take these arguments: {e}") from None
         return n
 
     def dims(self, shape) -> list:
@@ -511,14 +581,9 @@ def _replace(graph: Graph, p: Plan) -> str:
         a_in = emit(aten.reshape.default, a.base, [-1, *emit.dims([_val(a.base).shape[-1]])])
     b_in = b.base if b.transposed else emit(aten.permute.default, b.base, [1, 0])
 
-    a_dims = set(range(len(a.lead))) if a.lead is not None else {0}
-    rows = [emit.vector(s, shape, a_dims) for s, shape in a.factors.rows]
-    b_dims = {0} if b.transposed else {1}
-    cols = [emit.vector(s, shape, b_dims) for s, shape in b.factors.rows]
-    out_rows = set(range(len(out.lead))) if out.lead is not None else {0}
-    out_col = len(out.lead) if out.lead is not None else 1
-    rows += [emit.vector(s, shape, out_rows) for s, shape in out.factors.rows]
-    cols += [emit.vector(s, shape, {out_col}) for s, shape in out.factors.cols]
+    # Each factor carries the dims it varies along, recorded where it was found (before or after a reshape).
+    rows = [emit.vector(s, shape, dims) for s, shape, dims in (*a.factors.rows, *out.factors.rows)]
+    cols = [emit.vector(s, shape, dims) for s, shape, dims in (*b.factors.rows, *out.factors.cols)]
     numbers = [*a.factors.numbers, *b.factors.numbers, *out.factors.numbers]
     scalars = [emit(aten.reshape.default, emit.fp32(s), []) for s in
                (*a.factors.scalars, *b.factors.scalars, *out.factors.scalars)]
@@ -573,9 +638,7 @@ def _replace(graph: Graph, p: Plan) -> str:
             group_n = b.block[2]
         else:
             b_block = emit(aten.full.default, [1, groups], 1.0, **ones)
-            group_n = int(N) if isinstance(n_arg[0], int) else None
-            if group_n is None:
-                raise Decline("weight without block scales and a symbolic N")
+            group_n = int(N)  # static: plan() declines a symbolic N here
     args = (a_in, b_in, row, col, bias, residual, a_block, b_block, group_n, group_k, p.out_dtype)
     if mv.device.type == "cuda" and isinstance(M, int) and not cute_dispatch.prefers_cute(_val(a_in), _val(b_in)):
         # M is fixed in this graph and the Triton kernel takes it: inductor emits the launch itself.

@@ -25,8 +25,8 @@ from torch.fx import Graph, Node
 from fusekern.kernels import fp8_kv_attention as kernel
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import (
-    RESHAPES, Decline, Factors, _cast_target, _classify, _Emitter, _erase_dead, _exact_cast, _is, _known,
-    _scale_operand, _val,
+    RESHAPES, Decline, Factors, _cast_target, _classify, _Emitter, _erase_dead, _exact_cast, _has_fp8, _is,
+    _known, _scale_operand, _val,
 )
 
 aten = torch.ops.aten
@@ -90,23 +90,33 @@ def _strip_gqa(node: Node) -> tuple[Node, int, list]:
     group = _val(cur).shape[2]
     if not isinstance(group, int):
         raise Decline("a symbolic GQA group size")
+    # [B, Hkv, S, D] -> [B, Hkv, 1, S, D] -> [B, Hkv, G, S, D] -> [B, Hkv * G, S, D], and nothing else.
+    xs, es, rs = list(_val(x).shape), list(_val(cur).shape), list(_val(node).shape)
+    want_e = [xs[0], xs[1], group, xs[2], xs[3]] if len(xs) == 4 else None
+    want_r = [xs[0], xs[1] * group, xs[2], xs[3]] if len(xs) == 4 else None
+    if want_e is None or len(es) != 5 or len(rs) != 4 or not all(_known(p == q) for p, q in zip(es, want_e)) \
+            or not all(_known(p == q) for p, q in zip(rs, want_r)):
+        raise Decline("k / v reshaped after the head expansion: not a GQA repeat of the cache")
     return x, int(group), nodes
 
 
 def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Factors, list]:
     """Back from k or v ([B, Hkv, S, D]) through casts and scale multiplications to the fp8 cache."""
     shape = list(_val(node).shape)
-    factors, nodes, scaled, cur = Factors(), [], False, node
+    factors, nodes, cur = Factors(), [], node
+    rounding_cast = None  # as in scale_folding.walk_operand: a rounding cast must round a scaled value
     while True:
         dst = _cast_target(cur)
         if dst is not None:
-            src = _val(cur.args[0]).dtype
-            if dst not in FLOATS or not (scaled or _exact_cast(src, dst)):
+            src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
+            if src is None or dst not in FLOATS:
                 break
+            if not _exact_cast(src, dst) and rounding_cast is None:
+                rounding_cast = (cur, len(nodes))
             nodes.append(cur)
             cur = cur.args[0]
             continue
-        if _is(cur, aten.mul.Tensor):
+        if _is(cur, aten.mul.Tensor) and _val(cur).dtype.is_floating_point:
             found = _scale_operand(cur, shape)
             kind = _classify(found[1], shape, vector_dims) if found else None
             if kind is None:
@@ -119,9 +129,11 @@ def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Fac
             else:
                 factors.rows.append((kind[1], tuple(shape)))
             nodes.append(cur)
-            cur, scaled = found[0], True
+            cur, rounding_cast = found[0], None
             continue
         break
+    if rounding_cast is not None:
+        cur, nodes = rounding_cast[0], nodes[:rounding_cast[1]]
     v = _val(cur)
     if v is None or v.dtype != torch.float8_e4m3fn:
         raise Decline(f"{what} is not read from a float8_e4m3fn cache (found {None if v is None else v.dtype})")
@@ -182,6 +194,14 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     v8, v_factors, v_nodes = _walk_cache(v_x, "V", {0, 1})
     k8v, v8v = _val(k8), _val(v8)
     B, Hkv, S, _ = k8v.shape
+    tensors = [q, k8, v8, *k_factors.scalars, *v_factors.scalars, *(r[0] for r in (*k_factors.rows, *v_factors.rows))]
+    devices = {_val(t).device for t in tensors}
+    if len(devices) != 1 or qv.device.type not in ("cpu", "cuda"):
+        raise Decline(f"q, caches and scales on {sorted(map(str, devices))}")
+    if qv.device.type == "cuda" and not _has_fp8(qv.device):
+        raise Decline("an fp8 cache on a GPU older than sm_89 (no fp8 conversions)")
+    if _val(out).dtype != qv.dtype:
+        raise Decline(f"the attention output is {_val(out).dtype}, q is {qv.dtype}")
     with qv.fake_mode:
         ks_fake = torch.empty((B, Hkv, S), dtype=torch.float32, device=qv.device)
         try:
@@ -192,8 +212,6 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     k_scale = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
     v_scale = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
     fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, float(scale))
-    if _val(fused).dtype != _val(out).dtype:
-        raise Decline(f"the attention output is {_val(out).dtype}")
     out.replace_all_uses_with(fused)
     _erase_dead(graph, [out, n, *k_gqa, *v_gqa, *k_nodes, *v_nodes])
     parts = ["fp8 K/V"]
