@@ -148,6 +148,63 @@ def _scale_operand(mul: Node, cur_shape) -> tuple[Node, object] | None:
 
 
 @dataclass
+class Peel:
+    """Walks back from a matmul operand through casts and scale multiplications, one step at a time.
+
+    A cast that rounds (fp32 -> bf16, bf16 -> fp16) may only be dropped where it rounds a scaled value,
+    which the kernel keeps in fp32. Walking back, such a cast must have a scale multiplication further up;
+    if the walk ends first, the cast rounded the operand itself and ``finish`` makes the kernel read the
+    cast's result instead.
+    """
+
+    factors: Factors = field(default_factory=Factors)
+    nodes: list = field(default_factory=list)  # absorbed nodes
+    rounding_cast: tuple | None = None  # (cast node, len(nodes) before it) awaiting a scale above it
+    not_a_scale: Node | None = None  # the multiplication the walk stopped at, if any
+
+    def step(self, cur: Node, shape, vector_dims: set[int]) -> Node | None:
+        """The node above one cast or scale multiplication at ``cur``, recording it; None if neither."""
+        dst = _cast_target(cur)
+        if dst is not None:
+            src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
+            if src is None or dst not in FLOATS:
+                return None
+            if not _exact_cast(src, dst) and self.rounding_cast is None:
+                self.rounding_cast = (cur, len(self.nodes))
+            self.nodes.append(cur)
+            return cur.args[0]
+        if not _is(cur, aten.mul.Tensor) or not _val(cur).dtype.is_floating_point:
+            return None  # (integer arithmetic wraps: never a scale)
+        found = _scale_operand(cur, shape)
+        kind = _classify(found[1], shape, vector_dims) if found else None
+        if kind is None:
+            self.not_a_scale = cur
+            return None
+        what, factor = kind
+        if what == "number":
+            self.factors.numbers.append(factor)
+        elif what == "scalar":
+            self.factors.scalars.append(factor)
+        else:
+            self.factors.rows.append((factor, tuple(shape), frozenset(vector_dims)))
+        self.nodes.append(cur)
+        self.rounding_cast = None
+        return found[0]
+
+    def scaled(self) -> None:
+        """A scale was absorbed by other means (a block view): casts below it round scaled values."""
+        self.rounding_cast = None
+
+    def finish(self, cur: Node) -> Node:
+        """The node the kernel reads: ``cur``, or a rounding cast of the unscaled operand."""
+        if self.rounding_cast is None:
+            return cur
+        node, n = self.rounding_cast
+        del self.nodes[n:]
+        return node
+
+
+@dataclass
 class Operand:
     """What one side of the product reads: ``base`` (``[rows..., K]`` or ``[K, rows]``) and its factors."""
 
@@ -223,43 +280,16 @@ def walk_operand(node: Node, role: str) -> Operand:
     R = v.shape[0] if rows_first else v.shape[1]
     shape = list(v.shape)
     vector_dims = {0} if rows_first else {1}
-    factors, block, lead, stop = Factors(), None, None, None
+    peel = Peel(nodes=nodes)
+    block, lead = None, None
     cur = node
-    # A cast that rounds (fp32 -> bf16, bf16 -> fp16) may only be dropped where it rounds a scaled value,
-    # which the kernel keeps in fp32. Walking back from the matmul, such a cast must have a scale
-    # multiplication further up; if the walk ends first, the cast rounded the operand itself and the
-    # kernel reads the cast's result instead.
-    rounding_cast = None
     while True:
-        dst = _cast_target(cur)
-        if dst is not None:
-            src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
-            if src is None or dst not in FLOATS:
-                break
-            if not _exact_cast(src, dst) and rounding_cast is None:
-                rounding_cast = (cur, len(nodes))
-            nodes.append(cur)
-            cur = cur.args[0]
+        above = peel.step(cur, shape, vector_dims)
+        if above is not None:
+            cur = above
             continue
-        if _is(cur, aten.mul.Tensor):
-            if not _val(cur).dtype.is_floating_point:
-                break  # integer arithmetic wraps: not a scale
-            found = _scale_operand(cur, shape)
-            kind = _classify(found[1], shape, vector_dims) if found else None
-            if kind is None:
-                stop = (f"{cur.name}'s factor varies along K (or is not a scale): it cannot leave the sum"
-                        if found else f"{cur.name} multiplies two full tensors")
-                break
-            what, s = kind
-            if what == "number":
-                factors.numbers.append(s)
-            elif what == "scalar":
-                factors.scalars.append(s)
-            else:
-                factors.rows.append((s, tuple(shape), frozenset(vector_dims)))
-            nodes.append(cur)
-            cur, rounding_cast = found[0], None
-            continue
+        if peel.not_a_scale is not None:
+            break
         if _is(cur, *RESHAPES) and rows_first and block is None and lead is None:
             found = _block_view(cur, R, K)
             if found is not None:
@@ -269,23 +299,25 @@ def walk_operand(node: Node, role: str) -> Operand:
                 inner = next(a for a in mul.args if isinstance(a, Node) and _is(a, *RESHAPES))
                 if role == "a" and gr != 1:
                     break  # activation blocks span one row (1 x g); a taller block is not one a_block row
-                nodes.extend([cur, mul, inner])
-                cur, rounding_cast = x, None
+                peel.nodes.extend([cur, mul, inner])
+                peel.scaled()
+                cur = x
                 continue
             if role == "a":  # [M, K] = reshape([*lead, K]): the activation's batch dims, flattened
                 xv = _val(cur.args[0])
                 if xv is not None and xv.dim() >= 3 and _known(xv.shape[-1] == K) and \
                         _known(functools.reduce(operator.mul, xv.shape[:-1], 1) == R):
-                    nodes.append(cur)
+                    peel.nodes.append(cur)
                     cur = cur.args[0]
                     shape = list(xv.shape)
                     lead = tuple(xv.shape[:-1])
                     vector_dims = set(range(len(shape) - 1))
                     continue
         break
-    if rounding_cast is not None:  # the rounding applied to the unscaled operand: read its result
-        cur, nodes = rounding_cast[0], nodes[:rounding_cast[1]]
-    return Operand(cur, factors, nodes, lead, transposed, block, stop)
+    stop = None
+    if peel.not_a_scale is not None:
+        stop = f"{peel.not_a_scale.name}'s factor varies along K (or is not a scale): it cannot leave the sum"
+    return Operand(peel.finish(cur), peel.factors, peel.nodes, lead, transposed, block, stop)
 
 
 # ----------------------------------------------------------------------------- output

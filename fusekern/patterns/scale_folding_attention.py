@@ -25,14 +25,12 @@ from torch.fx import Graph, Node
 from fusekern.kernels import fp8_kv_attention as kernel
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import (
-    RESHAPES, Decline, Factors, _cast_target, _classify, _Emitter, _erase_dead, _exact_cast, _has_fp8, _is,
-    _known, _scale_operand, _val,
+    RESHAPES, Decline, Factors, Peel, _Emitter, _erase_dead, _has_fp8, _is, _known, _val,
 )
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 NAME = "fp8_kv_attention"
-FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _sdpa_ops() -> tuple:
@@ -103,37 +101,13 @@ def _strip_gqa(node: Node) -> tuple[Node, int, list]:
 def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Factors, list]:
     """Back from k or v ([B, Hkv, S, D]) through casts and scale multiplications to the fp8 cache."""
     shape = list(_val(node).shape)
-    factors, nodes, cur = Factors(), [], node
-    rounding_cast = None  # as in scale_folding.walk_operand: a rounding cast must round a scaled value
-    while True:
-        dst = _cast_target(cur)
-        if dst is not None:
-            src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
-            if src is None or dst not in FLOATS:
-                break
-            if not _exact_cast(src, dst) and rounding_cast is None:
-                rounding_cast = (cur, len(nodes))
-            nodes.append(cur)
-            cur = cur.args[0]
-            continue
-        if _is(cur, aten.mul.Tensor) and _val(cur).dtype.is_floating_point:
-            found = _scale_operand(cur, shape)
-            kind = _classify(found[1], shape, vector_dims) if found else None
-            if kind is None:
-                raise Decline(f"{what}'s scale {cur.name} is not constant along "
-                              f"{'the head dim' if what == 'K' else 'the tokens and the head dim'}: it cannot move")
-            if kind[0] == "number":
-                factors.numbers.append(kind[1])
-            elif kind[0] == "scalar":
-                factors.scalars.append(kind[1])
-            else:
-                factors.rows.append((kind[1], tuple(shape)))
-            nodes.append(cur)
-            cur, rounding_cast = found[0], None
-            continue
-        break
-    if rounding_cast is not None:
-        cur, nodes = rounding_cast[0], nodes[:rounding_cast[1]]
+    peel, cur = Peel(), node
+    while (above := peel.step(cur, shape, vector_dims)) is not None:
+        cur = above
+    if peel.not_a_scale is not None:
+        raise Decline(f"{what}'s scale {peel.not_a_scale.name} is not constant along "
+                      f"{'the head dim' if what == 'K' else 'the tokens and the head dim'}: it cannot move")
+    cur, factors, nodes = peel.finish(cur), peel.factors, peel.nodes
     v = _val(cur)
     if v is None or v.dtype != torch.float8_e4m3fn:
         raise Decline(f"{what} is not read from a float8_e4m3fn cache (found {None if v is None else v.dtype})")
@@ -143,7 +117,7 @@ def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Fac
 def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int], flat_shape: list) -> Node:
     """The product of all factors as an fp32 tensor of ``flat_shape`` (the dims in ``dims``)."""
     parts = []
-    for s, sshape in factors.rows:
+    for s, sshape, _ in factors.rows:
         target = [d if i in dims else 1 for i, d in enumerate(sshape)]
         s = emit.fp32(s)
         if _val(s).dim() != len(target) or any(not _known(p == q) for p, q in zip(_val(s).shape, target)):
