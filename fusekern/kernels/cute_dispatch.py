@@ -51,7 +51,3 @@ def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n
     if mod.supports(a, b, **kwargs) is not None:
         return None
     return mod.cute_scaled_mm(a, b, **kwargs)
-
-
-def cute_available() -> bool:
-    return _module() is not None and torch.cuda.is_available()
