@@ -36,7 +36,7 @@ from torch.fx import Graph, Node
 
 from fusekern.kernels import cute_dispatch
 from fusekern.kernels import scaled_mm as kernel
-from fusekern.patterns.decode.analysis import CODE_DTYPES
+from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
 
 aten = torch.ops.aten
@@ -412,21 +412,13 @@ def _decoded_from_codes(node: Node) -> bool:
     earlier quantized layer is not a decoded weight."""
     if node.op != "call_function":
         return False
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in ("placeholder", "get_attr"):
-            if _val(n) is not None and _val(n).dtype in CODE_DTYPES:
-                return True
-            continue
-        if n is not node and (n.op != "call_function" or _is(n, *BOUNDARIES) or "fusekern" in str(n.target)
-                              or "triton_kernel_wrapper" in str(n.target)):
-            continue
-        stack.extend(n.all_input_nodes)
-    return False
+
+    def boundary(n: Node) -> bool:
+        return n.op != "call_function" or _is(n, *BOUNDARIES) or "fusekern" in str(n.target) \
+            or "triton_kernel_wrapper" in str(n.target)
+
+    return any(n.op in ("placeholder", "get_attr") and _val(n) is not None and _val(n).dtype in CODE_DTYPES
+               for n in ancestors(node, stop=boundary))
 
 
 def plan(mm: Node) -> Plan:

@@ -105,15 +105,16 @@ def weight_operand(mm: Node) -> tuple[Node, Node]:
     raise Unsupported(f"{mm.target} is not mm / addmm / bmm")
 
 
-def ancestors(node: Node) -> set[Node]:
-    """``node`` and every node it is computed from."""
+def ancestors(node: Node, stop=None) -> set[Node]:
+    """``node`` and every node it is computed from; ``stop(n)`` true keeps n but not what it is computed from."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(a for a in n.all_input_nodes)
+        if stop is None or n is node or not stop(n):
+            stack.extend(a for a in n.all_input_nodes)
     return seen
 
 
