@@ -393,7 +393,10 @@ def _check_block(m, n, k, one_row_a=False, has_row=False, has_col=False, bias_dt
 # K = 1008: a partial last K block (7 * 128 + 112); N = 296: a partial last N block (2 * 128 + 40).
 # K = 1000 and N = 300 themselves are refused: TMA needs 16-byte rows, and 1000 fp8 bytes (a, b) or
 # 300 bf16 values (the output) are not (test_block_scaled_k_1000_and_n_300_are_refused).
-@pytest.mark.parametrize("n,k", [(256, 512), (7168, 7168), (296, 1008)], ids=lambda v: str(v))
+# K = 128, 256 and 1136 (9 blocks, the last partial): one, two and an odd number of K blocks, the
+# cases of the promotion loop's peeled tail (it alternates two fragments, unrolled by two).
+@pytest.mark.parametrize("n,k", [(256, 512), (7168, 7168), (296, 1008), (256, 128), (256, 256), (296, 1136)],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("m", [1, 100, 1000, 4096])
 def test_block_scaled_matches_reference(m, n, k):
     _check_block(m, n, k)

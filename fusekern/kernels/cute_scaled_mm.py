@@ -543,11 +543,12 @@ if _CUTLASS_ERROR is None:
             acc_shape = thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             k_tiles = cute.ceil_div(mA.shape[1], self.tile_mnk[2])
-            acc_kb = None
+            frags = None
             tCcAcc = None
             if cutlass.const_expr(self.config.block_scaled):
-                # The fragment one K block's WGMMAs write; it is scaled into `acc` after each block.
-                acc_kb = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                # The two fragments K blocks' WGMMAs alternate between; each is scaled into `acc`.
+                frags = (cute.make_rmem_tensor(acc_shape, self.acc_dtype),
+                         cute.make_rmem_tensor(acc_shape, self.acc_dtype))
                 tCcAcc = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))  # (row, col) per register
 
             # Register -> shared copy of one epilogue slice (stmatrix for 16-bit outputs).
@@ -573,7 +574,7 @@ if _CUTLASS_ERROR is None:
             while work.is_valid_tile:
                 if cutlass.const_expr(self.config.block_scaled):
                     read_state, release_state = self._mainloop_block_scaled(
-                        ab_pipeline, tiled_mma, tCrA, tCrB, acc, acc_kb, tCcAcc, k_tiles,
+                        ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, tCcAcc, k_tiles,
                         read_state, release_state, mSA, mSB, work.tile_idx)
                 else:
                     read_state, release_state = self._mainloop(
@@ -619,21 +620,23 @@ if _CUTLASS_ERROR is None:
             return read_state, release_state
 
         @cute.jit
-        def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, acc_kb, tCcAcc, k_tiles,
+        def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, tCcAcc, k_tiles,
                                    read_state, release_state, mSA, mSB, tile):
             """acc = sum over K blocks kb of a_block[m, kb] * b_block[tile_n, kb] * (WGMMA product of kb).
 
             "Promotion": each 128-deep K tile is one scale block. Its WGMMAs write a fresh fragment
-            (``acc_kb``, ACCUMULATE off on the first K step), the warpgroup waits for them, releases the
-            stage, and folds ``acc_kb`` into ``acc`` with one FMA per register. The tensor cores stay
-            busy through a consumer's wait and FMAs with the other consumer warpgroup's WGMMAs. The
-            scales of block kb (two a_block values: the two accumulator rows each thread owns, and one
-            b_block scalar) are loaded from global memory (L2/L1-resident) before the stage is awaited,
-            so their latency hides behind the wait and the MMAs.
+            (ACCUMULATE off on the first K step), which is then folded into ``acc`` with one FMA per
+            register, scaled by a_block of the register's row times the b_block scalar. Two fragments
+            alternate: block kb + 1's WGMMAs are issued into one before block kb's fragment (the other)
+            is awaited (``wait_group(1)``) and folded, so the FMAs and the scale loads run while the
+            tensor cores work (waiting for each block before folding it ran at ~1000 TFLOP/s on the H200
+            at M = 4096, N = K = 7168). The loop is unrolled by two so each fragment is a fixed set of
+            registers; the last block (k_tiles odd or even) is peeled after it.
             """
             read_state.reset_count()
             release_state.reset_count()
             acc.fill(0.0)
+            f0, f1 = frags
             # Registers of one accumulator row share a scale: group them at trace time (the grouping
             # is the same for every thread of the WGMMA C layout; thread 0 gives it statically).
             slot_of, slot_rep = _row_slots(tiled_mma, (self.tile_mnk[0], self.tile_mnk[1]))
@@ -642,27 +645,73 @@ if _CUTLASS_ERROR is None:
             sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
             # tile_n == 128: one b_block row per N tile (clamped: an expanded b_block arrives as one row)
             sb_row = cutlass.min(tile[1], mSB.shape[0] - 1)
-            # A fresh atom per K block: its ACCUMULATE field changes inside the dynamic loop.
-            for kb in range(k_tiles):
-                sb = mSB[sb_row, kb]
-                sa = [mSA[r, kb] for r in sa_rows]
-                ab_pipeline.consumer_wait(read_state)
-                cute.nvgpu.warpgroup.fence()  # acc_kb was read by the previous block's FMAs
-                mma_atom = cute.make_mma_atom(tiled_mma.op)
-                mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-                    coord = (None, None, kk, read_state.index)
-                    cute.gemm(mma_atom, acc_kb, tCrA[coord], tCrB[coord], acc_kb)
-                    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(read_state)
+
+            self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f0, read_state)
+            read_state.advance()
+            # blocks 0 .. 2 * pairs - 1 folded here; each iteration issues the next two
+            pairs = (k_tiles - 1) // 2
+            for p in range(pairs):
+                kb = 2 * p
+                scale = self._block_scales(mSA, mSB, sa_rows, sb_row, kb)
+                self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f1, read_state)
                 read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)  # block kb (f0) done, kb + 1 in flight
+                ab_pipeline.consumer_release(release_state)
                 release_state.advance()
-                scale = [v * sb for v in sa]
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] + acc_kb[i] * scale[slot_of[i]]
+                self._fold(acc, f0, scale, slot_of)
+                scale = self._block_scales(mSA, mSB, sa_rows, sb_row, kb + 1)
+                self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f0, read_state)
+                read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._fold(acc, f1, scale, slot_of)
+            # f0 holds block 2 * pairs (in flight); one more block remains when k_tiles is even
+            kb_last = 2 * pairs
+            scale_a = self._block_scales(mSA, mSB, sa_rows, sb_row, kb_last)
+            if kb_last + 1 < k_tiles:
+                scale_last = self._block_scales(mSA, mSB, sa_rows, sb_row, kb_last + 1)
+                self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f1, read_state)
+                read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._fold(acc, f0, scale_a, slot_of)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._fold(acc, f1, scale_last, slot_of)
+            else:
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._fold(acc, f0, scale_a, slot_of)
             return read_state, release_state
+
+        @cute.jit
+        def _issue_block(self, ab_pipeline, tiled_mma, tCrA, tCrB, frag, read_state):
+            """Wait for the stage, then issue one K block's WGMMAs into ``frag`` (a fresh sum) and commit."""
+            ab_pipeline.consumer_wait(read_state)
+            cute.nvgpu.warpgroup.fence()  # frag was read by the previous fold's FMAs
+            # A fresh atom per K block: its ACCUMULATE field changes inside the dynamic loop.
+            mma_atom = cute.make_mma_atom(tiled_mma.op)
+            mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                coord = (None, None, kk, read_state.index)
+                cute.gemm(mma_atom, frag, tCrA[coord], tCrB[coord], frag)
+                mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+
+        @cute.jit
+        def _block_scales(self, mSA, mSB, sa_rows, sb_row, kb):
+            """a_block[row, kb] * b_block[tile_n, kb] for each accumulator row the thread owns."""
+            sb = mSB[sb_row, kb]
+            return [mSA[r, kb] * sb for r in sa_rows]
+
+        @cute.jit
+        def _fold(self, acc, frag, scale, slot_of):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + frag[i] * scale[slot_of[i]]
 
         @cute.jit
         def _mma_stage(self, tiled_mma, tCrA, tCrB, acc, stage):
