@@ -46,8 +46,9 @@ def check(q, k8, k_scale, v8, v_scale, sm_scale=None, **kw):
 
 
 def test_split_heuristic():
-    assert F.kv_splits(8 * 8, 8192, 132) == 9  # benchmark shape: 576 programs of 960 tokens after rounding
-    assert F.split_chunk(8192, 9, F.block_tokens(128, 16)) == (960, 9)
+    assert F.kv_splits(8 * 8, 8192, 132) == 8  # benchmark shape: 512 programs of 1024 tokens, one wave
+    assert F.split_chunk(8192, 8, F.block_tokens(128, 16)) == (1024, 8)
+    assert F.kv_splits(200, 8192, 132) == 2  # 400 programs: never a partial second wave (528 slots)
     assert F.kv_splits(64 * 8, 8192, 132) == 1  # large batch
     assert F.kv_splits(8, 300, 132) == 1  # short sequence
     assert F.kv_splits(1, 1 << 20, 132) == F.MAX_SPLITS
@@ -81,6 +82,22 @@ def test_v_scale_per_head_or_per_batch_and_head(v_scale_shape):
 def test_v_scale_with_trailing_ones_and_bf16_k_scale():
     q, k8, ks, v8, vs = make_inputs(2, 4, 2, 1, 70, 64, torch.float16, seed=4)
     check(q, k8, ks.to(torch.bfloat16), v8, vs.reshape(2, 1, 1), num_splits=2)
+
+
+@pytest.mark.parametrize("round_to", [torch.bfloat16, torch.float16])
+def test_scales_rounded_in_the_kernel(round_to):
+    """k_scale_round / v_scale_round give what rounding the fp32 scales first gives, and differ from not
+    rounding them (scales with more bits than the 16-bit type holds)."""
+    q, k8, ks, v8, vs = make_inputs(2, 8, 2, 1, 300, 128, torch.bfloat16, seed=8)
+    ks, vs = ks * (1 + 2 ** -12), vs * (1 + 2 ** -12)  # off every 16-bit grid point
+    got = F.fp8_kv_decode_attention(q, k8, ks, v8, vs, 0.125, k_scale_round=round_to, v_scale_round=round_to,
+                                    num_splits=3)
+    ref = F.reference_fp8_kv_attention(q, k8, ks.to(round_to), v8, vs.to(round_to), 0.125)
+    assert rel_err(got, ref) < TOL[q.dtype]
+    rounded_first = F.fp8_kv_decode_attention(q, k8, ks.to(round_to), v8, vs.to(round_to), 0.125, num_splits=3)
+    assert torch.equal(got, rounded_first)
+    with pytest.raises(ValueError, match="rounded to bf16 or fp16"):
+        F.fp8_kv_decode_attention(q, k8, ks, v8, vs, 0.125, k_scale_round=torch.float32)
 
 
 def test_strided_views():

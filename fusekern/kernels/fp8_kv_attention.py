@@ -62,7 +62,7 @@ from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "fp8_kv_attention-2"
+KERNEL_VERSION = "fp8_kv_attention-3"
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,8 +75,10 @@ LOG2E = math.log2(math.e)
 TILE_BYTES = 8192  # one fp8 K (or V) tile: BLOCK_S * D bytes
 NUM_WARPS = 4
 NUM_STAGES = 3  # 3 x 16 KiB of K + V tiles in shared memory: four programs fit on an SM
-# H200 sweep at B = 8, Hkv = 8, S = 8192 (git 40956bb): 4 / 8 / 16 / 32 / 64 splits ran 62.7 / 62.5 / 77.3 /
-# 123.9 / 98.1 us; about four programs per SM (one wave) is where the merge traffic stops paying off.
+# Four programs fit on an SM (shared memory). H200 sweep, CUDA-graph times at B = 8, Hkv = 8, S = 8192
+# (benchmarks/sweep_fp8_kv_attention.py, git 3f87793; fp8_kv_attention_sweep.csv): 6 / 7 / 8 / 9 / 16 splits
+# (384 / 448 / 512 / 576 / 1024 programs) ran 43.0 / 44.1 / 41.5 / 49.2 / 50.1 us. Filling the 528 slots
+# once beats any partial second wave (9 splits: 48 programs run alone at the end).
 CTAS_PER_SM_WANTED = 4
 SPLIT_FREE_CTAS_PER_SM = 2  # from two programs per SM on, splitting only adds merge traffic
 MIN_SPLIT_TOKENS = 256  # a split shorter than this spends more on its prologue and partial than on K / V
@@ -98,11 +100,11 @@ def padded_rows(rows: int) -> int:
 def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
     """How many chunks each (batch, KV head) sequence is cut into: about CTAS_PER_SM_WANTED programs per SM
     over the whole grid, none shorter than MIN_SPLIT_TOKENS; 1 when the batch alone gives every SM
-    SPLIT_FREE_CTAS_PER_SM programs. Benchmark shape (B = 8, Hkv = 8, S = 8192, 132 SMs): 9 wanted,
-    9 after rounding chunks to whole tiles (576 programs of 960 tokens)."""
+    SPLIT_FREE_CTAS_PER_SM programs. At most one wave: benchmark shape (B = 8, Hkv = 8, S = 8192, 132
+    SMs): 8 splits, 512 programs of 1024 tokens in the 528 slots."""
     if batch_heads >= SPLIT_FREE_CTAS_PER_SM * sms:
         return 1
-    wanted = triton.cdiv(CTAS_PER_SM_WANTED * sms, batch_heads)
+    wanted = max(1, CTAS_PER_SM_WANTED * sms // batch_heads)  # one wave: a partial second one is a tail
     return max(1, min(wanted, seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
@@ -164,6 +166,21 @@ def _fp8_planes(words):
             pack=2)
 
 
+# Rounding a scale to a 16-bit float inside the kernel (the user's graph cast an fp32 scale with
+# `.to(dt)` before multiplying): codes for the ROUND_* constexprs.
+ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    """x (fp32) rounded to bf16 (ROUND 1) or fp16 (2) and widened back, or as it is (0)."""
+    if ROUND == 1:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
 @triton.jit
 def _pow2(e):
     """2**e as fp32 for integer e in [-126, 127] (built from the exponent bits: exact, no libdevice call)."""
@@ -198,7 +215,7 @@ def _query_planes(q_ptr, q_offs, real, D: tl.constexpr):
 
 @triton.jit
 def _attend_chunk(q_ptr, q_offs, real, kw_head, ks_head, vw_head, lo, hi, qk_scale, stride_kw, stride_kss, stride_vw,
-                  D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+                  D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, KS_ROUND: tl.constexpr):
     """Online softmax of the program's query rows against tokens [lo, hi) of one KV head: the output
     accumulator as four column planes (plane i: columns 4 j + i), the running max and sum, with scores
     in log2 units and the accumulator not yet divided by the sum nor scaled by V's scale.
@@ -219,7 +236,8 @@ def _attend_chunk(q_ptr, q_offs, real, kw_head, ks_head, vw_head, lo, hi, qk_sca
         live = tok < hi
         kw = tl.load(kw_head + tok[:, None] * stride_kw + j[None, :], mask=live[:, None], other=0)
         # K's per-token scale (with sm_scale and log2 e) multiplies score columns, not the K tile
-        col_scale = tl.load(ks_head + tok * stride_kss, mask=live, other=0.0).to(tl.float32) * qk_scale
+        col_scale = _rounded(tl.load(ks_head + tok * stride_kss, mask=live, other=0.0).to(tl.float32), KS_ROUND)
+        col_scale = col_scale * qk_scale
         k0, k1, k2, k3 = _fp8_planes(kw)
         scores = tl.dot(q0, tl.trans(k0))
         scores = tl.dot(q1, tl.trans(k1), scores)
@@ -287,6 +305,7 @@ def fp8_kv_decode_kernel(
     stride_vsb, stride_vsh,
     stride_ob, stride_oh, stride_ol,
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+    KS_ROUND: tl.constexpr = 0, VS_ROUND: tl.constexpr = 0,
 ):
     """Program (b * HKV + kv_head, split): all G * LQ query rows of the KV head against tokens
     [split * CHUNK, min((split + 1) * CHUNK, S)). kw_ptr / vw_ptr: the fp8 caches viewed as int32 words
@@ -305,9 +324,9 @@ def fp8_kv_decode_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, S)
     a0, a1, a2, a3, m_i, l_i = _attend_chunk(q_ptr, q_offs, real, kw_head, ks_head, vw_head, lo, hi, qk_scale,
-                                             stride_kw, stride_kss, stride_vw, D, ROWS, BLOCK_S)
+                                             stride_kw, stride_kss, stride_vw, D, ROWS, BLOCK_S, KS_ROUND)
 
-    v_scale = tl.load(vs_ptr + b * stride_vsb + kv_head * stride_vsh).to(tl.float32)
+    v_scale = _rounded(tl.load(vs_ptr + b * stride_vsb + kv_head * stride_vsh).to(tl.float32), VS_ROUND)
     o_offs, _ = _query_rows(bh, HKV, G, LQ, stride_ob, stride_oh, stride_ol, ROWS)
     if not SPLIT:
         f = (v_scale / l_i)[:, None]
@@ -371,6 +390,12 @@ def _check_inputs(q, k8, k_scale, v8) -> None:
         raise ValueError(f"fp8_kv_decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def _check_round(*dtypes) -> None:
+    for dt in dtypes:
+        if dt not in ROUND_CODES:
+            raise ValueError(f"fp8_kv_decode_attention: a scale can be rounded to bf16 or fp16 (or not at all), not {dt}")
+
+
 def per_head_v_scale(v_scale, B: int, Hkv: int, device=None) -> torch.Tensor:
     """v_scale as a [B, Hkv] view (stride 0 where it is shared): from a number, a one-element tensor,
     [Hkv], [B, Hkv], or either with trailing 1s ([Hkv, 1, 1], [B, Hkv, 1, 1])."""
@@ -409,13 +434,17 @@ def _workspace(device, batch_heads: int, splits: int, rows: int, D: int):
 
 
 def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, v8: torch.Tensor, v_scale,
-                            sm_scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                            sm_scale: float, *, k_scale_round: torch.dtype | None = None,
+                            v_scale_round: torch.dtype | None = None, num_splits: int | None = None) -> torch.Tensor:
     """``softmax(q @ (k8 * k_scale)^T * sm_scale) @ (v8 * v_scale)`` with GQA, [B, Hq, Lq, D] in q's dtype.
 
     q [B, Hq, Lq, D] bf16/fp16; k8, v8 [B, Hkv, S, D] float8_e4m3fn; k_scale [B, Hkv, S]; v_scale one
-    value per KV head ([Hkv] or [B, Hkv]). ``num_splits``: chunks per sequence (default: ``kv_splits``).
+    value per KV head ([Hkv] or [B, Hkv]). ``k_scale_round`` / ``v_scale_round`` (bf16, fp16 or None):
+    round that scale to the dtype first, as ``scale.to(dtype)`` would (in registers, no extra kernel).
+    ``num_splits``: chunks per sequence (default: ``kv_splits``).
     """
     _check_inputs(q, k8, k_scale, v8)
+    _check_round(k_scale_round, v_scale_round)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k8.shape
     vs = per_head_v_scale(v_scale, B, Hkv, q.device)
@@ -445,6 +474,7 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
         vs.stride(0), vs.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1,
+        KS_ROUND=ROUND_CODES[k_scale_round], VS_ROUND=ROUND_CODES[v_scale_round],
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
@@ -493,9 +523,12 @@ def aot_builds():
         args = _build_args(B, Hq, Hkv, Lq, S, D, q_ptr, splits)
         rows = padded_rows((Hq // Hkv) * Lq)
         block = block_tokens(D, rows)
-        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=args["SPLITS"] > 1)
+        # bf16 builds round both scales to bf16 in the kernel (the benchmark graph casts them to q's dtype)
+        round_code = ROUND_CODES[torch.bfloat16] if q_ptr == "*bf16" else 0
+        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=args["SPLITS"] > 1, KS_ROUND=round_code,
+                          VS_ROUND=round_code)
         config = (f"{label}: {q_ptr[1:]} D={D} ROWS={rows} BLOCK_S={block} splits={args['SPLITS']} "
-                  f"w{NUM_WARPS} s{NUM_STAGES} [B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} S={S}]")
+                  f"round={round_code} w{NUM_WARPS} s{NUM_STAGES} [B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} S={S}]")
         builds.append(TritonBuild("fp8_kv_decode_attention", config, fp8_kv_decode_kernel, args, constexprs,
                                   NUM_WARPS, NUM_STAGES))
     return builds
@@ -504,14 +537,19 @@ def aot_builds():
 # ----------------------------------------------------------------------------- reference
 
 
+def _round_scale(scale: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return scale if dtype is None else scale.to(dtype)
+
+
 def reference_fp8_kv_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, v8: torch.Tensor, v_scale,
-                               sm_scale: float) -> torch.Tensor:
+                               sm_scale: float, k_scale_round=None, v_scale_round=None) -> torch.Tensor:
     """The graph being replaced, in float64 (result left in float64, not rounded to q's dtype, so a test
-    measures the kernel's error alone). v_scale: as ``per_head_v_scale`` takes it."""
+    measures the kernel's error alone). v_scale: as ``per_head_v_scale`` takes it; ``*_round``: as
+    ``fp8_kv_decode_attention`` takes them."""
     B, Hq, _, _ = q.shape
     Hkv = k8.shape[1]
-    vs = per_head_v_scale(v_scale, B, Hkv, q.device).to(torch.float64)
-    k = k8.to(torch.float64) * k_scale.to(torch.float64)[..., None]
+    vs = per_head_v_scale(_round_scale(v_scale, v_scale_round), B, Hkv, q.device).to(torch.float64)
+    k = k8.to(torch.float64) * _round_scale(k_scale, k_scale_round).to(torch.float64)[..., None]
     v = v8.to(torch.float64) * vs[:, :, None, None]
     k = k.repeat_interleave(Hq // Hkv, dim=1)
     v = v.repeat_interleave(Hq // Hkv, dim=1)
@@ -525,15 +563,17 @@ def reference_fp8_kv_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch
 
 torch.library.define(
     "fusekern::fp8_kv_attention",
-    "(Tensor q, Tensor k8, Tensor k_scale, Tensor v8, Tensor v_scale, float sm_scale) -> Tensor",
+    "(Tensor q, Tensor k8, Tensor k_scale, Tensor v8, Tensor v_scale, float sm_scale, "
+    "ScalarType? k_scale_round=None, ScalarType? v_scale_round=None) -> Tensor",
 )
 
 
-def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float) -> torch.Tensor:
+def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float, k_scale_round=None, v_scale_round=None):
     """The op's CPU path (and the CUDA fallback for caches the kernel cannot read as words): fp32 math."""
     B, Hq, _, _ = q.shape
     Hkv = k8.shape[1]
-    vs = per_head_v_scale(v_scale, B, Hkv, q.device).float()
+    vs = per_head_v_scale(_round_scale(v_scale, v_scale_round), B, Hkv, q.device).float()
+    k_scale = _round_scale(k_scale, k_scale_round)
     k = (k8.float() * k_scale.float()[..., None]).repeat_interleave(Hq // Hkv, dim=1)
     v = (v8.float() * vs[:, :, None, None]).repeat_interleave(Hq // Hkv, dim=1)
     p = torch.softmax((q.float() @ k.transpose(-1, -2)) * sm_scale, dim=-1)
@@ -541,25 +581,29 @@ def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float) -> torch.Tensor
 
 
 @torch.library.impl("fusekern::fp8_kv_attention", "CUDA")
-def _fp8_kv_attention_cuda(q, k8, k_scale, v8, v_scale, sm_scale):
+def _fp8_kv_attention_cuda(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=None, v_scale_round=None):
     try:
-        return fp8_kv_decode_attention(q, k8, k_scale, v8, v_scale, sm_scale)
+        return fp8_kv_decode_attention(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=k_scale_round,
+                                       v_scale_round=v_scale_round)
     except ValueError:
         # The graph rewrite checked everything a fake tensor shows; what is left is the cache's address
         # (not a whole number of 4-byte words): the same math unfused, never a wrong result.
         _check_inputs(q, k8, k_scale, v8)
-        return attention_math(q, k8, k_scale, v8, v_scale, sm_scale)
+        _check_round(k_scale_round, v_scale_round)
+        return attention_math(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round)
 
 
 @torch.library.impl("fusekern::fp8_kv_attention", "CPU")
-def _fp8_kv_attention_cpu(q, k8, k_scale, v8, v_scale, sm_scale):
+def _fp8_kv_attention_cpu(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=None, v_scale_round=None):
     _check_inputs(q, k8, k_scale, v8)
-    return attention_math(q, k8, k_scale, v8, v_scale, sm_scale)
+    _check_round(k_scale_round, v_scale_round)
+    return attention_math(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round)
 
 
 @torch.library.register_fake("fusekern::fp8_kv_attention")
-def _fp8_kv_attention_fake(q, k8, k_scale, v8, v_scale, sm_scale):
+def _fp8_kv_attention_fake(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=None, v_scale_round=None):
     _check_inputs(q, k8, k_scale, v8)
+    _check_round(k_scale_round, v_scale_round)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

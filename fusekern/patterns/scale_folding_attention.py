@@ -114,8 +114,38 @@ def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Fac
     return cur, factors, nodes
 
 
-def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int], flat_shape: list) -> Node:
-    """The product of all factors as an fp32 tensor of ``flat_shape`` (the dims in ``dims``)."""
+ROUNDING_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
+
+
+def _rounded_fp32(emit: _Emitter, factors: Factors) -> tuple[Node, torch.dtype] | None:
+    """(the fp32 scale, the 16-bit dtype) when the only factor is an fp32 scale cast to bf16 / fp16
+    (``k_scale[..., None].to(dt)``, possibly a view of the cast): the kernel rounds it in registers,
+    as the cast did, instead of a separate kernel writing the rounded copy."""
+    if factors.numbers or len(factors.rows) + len(factors.scalars) != 1:
+        return None
+    node = factors.rows[0][0] if factors.rows else factors.scalars[0]
+    view = None
+    if _is(node, *ROUNDING_VIEWS):
+        view, node = node, node.args[0]
+    if not (_is(node, prims.convert_element_type.default) and node.args[1] in (torch.bfloat16, torch.float16)):
+        return None
+    src = node.args[0]
+    if _val(src) is None or _val(src).dtype != torch.float32:
+        return None
+    if view is not None:
+        src = emit(view.target, src, *view.args[1:], **view.kwargs)
+    return src, node.args[1]
+
+
+def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int],
+                  flat_shape: list) -> tuple[Node, torch.dtype | None]:
+    """(the product of all factors as an fp32 tensor of ``flat_shape`` (the dims in ``dims``), the dtype
+    the kernel rounds it to first, or None)."""
+    round_to = None
+    if (rounded := _rounded_fp32(emit, factors)) is not None:
+        src, round_to = rounded
+        factors = Factors(rows=[(src, factors.rows[0][1], factors.rows[0][2])]) if factors.rows \
+            else Factors(scalars=[src])
     parts = []
     for s, sshape, _ in factors.rows:
         target = [d if i in dims else 1 for i, d in enumerate(sshape)]
@@ -135,7 +165,7 @@ def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int],
         vec = emit(aten.mul.Tensor, vec, scalar)
     if number != 1.0:
         vec = emit(aten.mul.Tensor, vec, float(number))
-    return vec
+    return vec, round_to
 
 
 def plan_and_replace(graph: Graph, n: Node) -> str:
@@ -183,9 +213,10 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         except ValueError as e:
             raise Decline(str(e).removeprefix("fp8_kv_decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [k8, v8, q])
-    k_scale = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
-    v_scale = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
-    fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, float(scale))
+    k_scale, k_round = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
+    v_scale, v_round = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
+    fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, float(scale),
+                 k_scale_round=k_round, v_scale_round=v_round)
     out.replace_all_uses_with(fused)
     _erase_dead(graph, [out, n, *k_gqa, *v_gqa, *k_nodes, *v_nodes])
     parts = ["fp8 K/V"]
