@@ -2,7 +2,8 @@
 
     python benchmarks/sweep_fp8_kv_attention.py [--csv benchmarks/results/h200/fp8_kv_attention_sweep.csv]
 
-For each split count, tile size (TILE_BYTES: one fp8 K tile), pipeline depth and warp count: the
+For each split count (given, or the heuristic's for a target of programs per SM), tile size (TILE_BYTES:
+one fp8 K tile), pipeline depth, warp count and register cap: the
 kernel's result checked against the float64 reference, then its GPU time in a CUDA graph
 (``do_bench_cudagraph`` median; the kernel alone, the host's launch path excluded). The module's
 heuristics are module constants read at each call, so the sweep sets them in turn.
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--tile-bytes", default="4096,8192,16384")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--maxnreg", default="0", help="register caps per thread, 0 for none")
+    ap.add_argument("--ctas", default="4", help="programs per SM the split heuristic aims for")
     args = ap.parse_args()
     dev = "cuda"
     warm_up_clocks(dev)
@@ -44,12 +47,17 @@ def main():
     c = D ** -0.5
     ref = A.reference_fp8_kv_attention(q, k8, ks, v8, vs, c).float()
     floor = (2 * B * Hkv * S * D + 4 * B * Hkv * S) / BW * 1e6
-    default = dict(TILE_BYTES=A.TILE_BYTES, NUM_STAGES=A.NUM_STAGES, NUM_WARPS=A.NUM_WARPS)
+    default = dict(TILE_BYTES=A.TILE_BYTES, NUM_STAGES=A.NUM_STAGES, NUM_WARPS=A.NUM_WARPS, MAXNREG=A.MAXNREG,
+                   CTAS_PER_SM_WANTED=A.CTAS_PER_SM_WANTED)
     print(f"default splits {A.kv_splits(B * Hkv, S, 132)}, {default}, floor {floor:.1f} us")
-    grid = itertools.product(map(int, args.tile_bytes.split(",")), map(int, args.stages.split(",")),
-                             map(int, args.warps.split(",")), [None] + list(map(int, args.splits.split(","))))
-    for tile_bytes, stages, warps, splits in grid:
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    grid = itertools.product(ints(args.tile_bytes), ints(args.stages), ints(args.warps), ints(args.maxnreg),
+                             ints(args.ctas), [None] + ints(args.splits))
+    for tile_bytes, stages, warps, maxnreg, ctas, splits in grid:
+        if splits is not None and ctas != ints(args.ctas)[0]:
+            continue  # explicit split counts: once, not again for every heuristic target
         A.TILE_BYTES, A.NUM_STAGES, A.NUM_WARPS = tile_bytes, stages, warps
+        A.MAXNREG, A.CTAS_PER_SM_WANTED = maxnreg or None, ctas
         f = lambda: A.fp8_kv_decode_attention(q, k8, ks, v8, vs, c, num_splits=splits)  # noqa: E731
         try:
             got = f()
@@ -58,13 +66,14 @@ def main():
             err = ((got - ref).norm() / ref.norm()).item()
             us = triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3
         except Exception as e:  # noqa: BLE001 - reported (e.g. out of shared memory), the sweep goes on
-            print(f"tile {tile_bytes} stages {stages} warps {warps} splits {splits}: {type(e).__name__}: "
-                  f"{str(e)[:160]}")
+            print(f"tile {tile_bytes} stages {stages} warps {warps} maxnreg {maxnreg} splits {splits}: "
+                  f"{type(e).__name__}: {str(e)[:160]}")
             continue
         used = splits if splits is not None else A.kv_splits(B * Hkv, S, 132)
         block = A.block_tokens(D, A.padded_rows(Hq // Hkv))
         row = dict(B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, tile_bytes=tile_bytes, block_s=block, stages=stages,
-                   warps=warps, splits=used, programs=B * Hkv * A.split_chunk(S, used, block)[1],
+                   warps=warps, maxnreg=maxnreg, ctas_per_sm=ctas, splits=used,
+                   programs=B * Hkv * A.split_chunk(S, used, block)[1],
                    us_cudagraph=round(us, 2), x_floor=round(us / floor, 3), rel_err=f"{err:.2e}", **versions())
         print(row)
         out.write(row)

@@ -41,7 +41,8 @@ class Resources:
         return self.stack > 0 or self.spill_stores > 0 or self.spill_loads > 0
 
 
-def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                 maxnreg: int | None = None):
     """AOT-compile ``kernel`` (a triton.jit function) for sm_90a, specialized as a launch would be.
 
     ``args`` gives each runtime argument: a pointer as its type string (``"*bf16"``; assumed 16-byte
@@ -72,7 +73,10 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
             if value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:  # a register cap per thread, as the launch's ``maxnreg=`` sets it
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=SM90, options=options)
 
 
 def _tool(name: str) -> str:

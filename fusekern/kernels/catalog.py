@@ -30,6 +30,7 @@ class TritonBuild:
     num_warps: int = 4
     num_stages: int = 3
     remat: str | None = None  # the mode shipped; None for kernels without a main loop (nothing to remat)
+    maxnreg: int | None = None  # a register cap per thread (launch option), None for ptxas's choice
 
     @property
     def modes(self) -> tuple[str | None, ...]:
@@ -43,7 +44,7 @@ class TritonBuild:
         constexprs = dict(self.constexprs)
         if self.remat is not None:
             constexprs.update(remat_flags(mode or self.remat))
-        return compile_sm90(self.fn, self.args, constexprs, self.num_warps, self.num_stages)
+        return compile_sm90(self.fn, self.args, constexprs, self.num_warps, self.num_stages, self.maxnreg)
 
     def resources(self, mode: str | None = None):
         from fusekern.kernels.aot import resources

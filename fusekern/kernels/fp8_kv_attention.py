@@ -80,6 +80,7 @@ NUM_STAGES = 3  # 3 x 16 KiB of K + V tiles in shared memory: four programs fit 
 # (384 / 448 / 512 / 576 / 1024 programs) ran 43.0 / 44.1 / 41.5 / 49.2 / 50.1 us. Filling the 528 slots
 # once beats any partial second wave (9 splits: 48 programs run alone at the end).
 CTAS_PER_SM_WANTED = 4
+MAXNREG = None  # a register cap per thread (the launch's maxnreg), None for ptxas's choice
 SPLIT_FREE_CTAS_PER_SM = 2  # from two programs per SM on, splitting only adds merge traffic
 MIN_SPLIT_TOKENS = 256  # a split shorter than this spends more on its prologue and partial than on K / V
 MAX_SPLITS = 64
@@ -475,7 +476,7 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
         out.stride(0), out.stride(1), out.stride(2),
         D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1,
         KS_ROUND=ROUND_CODES[k_scale_round], VS_ROUND=ROUND_CODES[v_scale_round],
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG,
     )
     return out
 
@@ -530,7 +531,7 @@ def aot_builds():
         config = (f"{label}: {q_ptr[1:]} D={D} ROWS={rows} BLOCK_S={block} splits={args['SPLITS']} "
                   f"round={round_code} w{NUM_WARPS} s{NUM_STAGES} [B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} S={S}]")
         builds.append(TritonBuild("fp8_kv_decode_attention", config, fp8_kv_decode_kernel, args, constexprs,
-                                  NUM_WARPS, NUM_STAGES))
+                                  NUM_WARPS, NUM_STAGES, maxnreg=MAXNREG))
     return builds
 
 
