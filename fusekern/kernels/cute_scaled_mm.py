@@ -38,13 +38,12 @@ Design
   both row indices are clamped to the last row); both take any row stride (0 included)
   and need a unit K-block stride (a one-column matrix may have any). The K tile is 128, one scale
   block, and the N tile 128, so b_block is one scalar per (tile, K block). "Promotion": each K tile's
-  WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step); after ``wait_group(0)`` the
-  stage is released and the fragment is folded into the main accumulator with one FMA per register,
-  scaled by a_block of the register's row times the b_block scalar. Two 64x128 fp32 fragments per
-  consumer warpgroup (128 registers), so tiles are 128x128 (two consumers) or 64x128 (M <= 64). The
-  scales are read straight from global memory (a few KiB, L2/L1-resident) by the consumer threads,
-  issued before the stage is awaited so that the MMAs hide their latency; the other consumer
-  warpgroup's WGMMAs keep the tensor cores busy through one warpgroup's wait and FMAs. M-tail rows and
+  WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step), which is folded into the
+  main accumulator with one FMA per register, scaled by a_block of the register's row times the b_block
+  scalar. Two fragments alternate, so the next K tile's WGMMAs are in flight while one is folded
+  (``wait_group(1)``), and each tile's scales are loaded from global memory (a few KiB, L2-resident) one
+  tile ahead into registers. The accumulator and two 64x128 fragments are 192 registers per consumer
+  thread, so tiles are 128x128 (two consumers) or 64x128 (M <= 64). M-tail rows and
   a one-row a_block both come from clamping the a_block row index to its last row. The last K block
   may be partial: TMA zero-fills it.
 """
@@ -132,8 +131,8 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 def block_scaled_heuristics(m: int) -> tuple[int, int]:
     """(tile_m, tile_n) for block-scaled fp8: N tile 128 (one b_block scalar per tile and K block).
 
-    Two fp32 fragments (the per-K-block product and the scaled sum) are 128 registers per thread, so
-    each consumer warpgroup keeps a 64x128 slab: 128x128 with two consumers, 64x128 for a small batch.
+    The scaled sum and two per-K-block fragments are 192 fp32 registers per thread for a 64x128 slab,
+    so each consumer warpgroup keeps one: 128x128 with two consumers, 64x128 for a small batch.
     """
     return (64, 128) if m <= 64 else (128, 128)
 
