@@ -1,6 +1,9 @@
 """Where the time of a compiled W8A8 linear goes: compiled graph vs the op vs its kernels (H200).
 
-    python benchmarks/profile_scaled_mm.py
+    python benchmarks/profile_scaled_mm.py [--cute]
+
+``--cute``: only the host cost of the CuTe DSL kernel's call path (checks, pointers, launch), on a
+product small enough that the GPU keeps up with the host.
 """
 from __future__ import annotations
 
@@ -26,7 +29,34 @@ def host_us(fn, n=200):
     return host
 
 
+def cute_host():
+    from fusekern.kernels import cute_scaled_mm as C
+
+    M, N, K = 128, 1024, 1024
+    a = torch.randn(M, K, device="cuda").to(E4M3)
+    b = torch.randn(N, K, device="cuda").to(E4M3)
+    row, col = torch.rand(M, device="cuda"), torch.rand(N, device="cuda")
+    sa = torch.rand(M, K // 128, device="cuda")
+    sb = torch.rand(N // 128, K // 128, device="cuda")
+    a_big = a.repeat(32, 1)  # M = 4096: the op sends FP8 to the CuTe kernel from there
+    variants = {
+        "cute_scaled_mm rowwise": lambda: C.cute_scaled_mm(a, b, row=row, col=col, out_dtype=BF16),
+        "run_supported rowwise": lambda: C.run_supported(a, b, row, col, None, None, BF16, None, None),
+        "supports() alone": lambda: C.supports(a, b, row=row, col=col, out_dtype=BF16),
+        "cute_scaled_mm block": lambda: C.cute_scaled_mm(a, b, out_dtype=BF16, a_block=sa, b_block=sb),
+        "scaled_mm op (CuTe route)": lambda: S.scaled_mm(a_big, b, None, None, None, None, None, None,
+                                                        0, 0, BF16),
+        "torch.empty alone": lambda: torch.empty(M, N, dtype=BF16, device="cuda"),
+    }
+    for name, f in variants.items():
+        print(f"{name:28s} host {host_us(f, 2000):7.1f} us/call")
+
+
 def main():
+    import sys
+
+    if "--cute" in sys.argv:
+        return cute_host()
     N = K = 8192
     for M in (16, 2048):
         x8 = torch.randn(M, K, device="cuda").to(E4M3)

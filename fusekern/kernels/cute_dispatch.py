@@ -50,4 +50,4 @@ def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n
     kwargs = dict(row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype, a_block=a_block, b_block=b_block)
     if mod.supports(a, b, **kwargs) is not None:
         return None
-    return mod.cute_scaled_mm(a, b, **kwargs)
+    return mod.run_supported(a, b, row, col, bias, residual, out_dtype, a_block, b_block)

@@ -68,7 +68,7 @@ try:  # the CuTe DSL is optional: without it `supports` gives the reason and not
     import cutlass.memory
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.tensor_utils import LayoutEnum
-    from cutlass.cute.runtime import from_dlpack, make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     _CUTLASS_ERROR: Optional[str] = None
 except Exception as exc:  # noqa: BLE001 - any import failure means "kernel unavailable"
@@ -329,6 +329,8 @@ if _CUTLASS_ERROR is None:
         "f16": cutlass.Float16,
         "f32": cutlass.Float32,
     }
+    _CUTE_OF_TORCH = {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.bfloat16: cutlass.BFloat16,
+                      torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
 
     class _ScaledMmKernel:
         """One specialization of the warp-specialized persistent scaled GEMM (see module docstring)."""
@@ -385,18 +387,49 @@ if _CUTLASS_ERROR is None:
         @cute.jit
         def __call__(
             self,
-            mA: cute.Tensor,
-            mB: cute.Tensor,
-            mD: cute.Tensor,
-            mRow: Optional[cute.Tensor],
-            mCol: Optional[cute.Tensor],
-            mBias: Optional[cute.Tensor],
-            mRes: Optional[cute.Tensor],
-            mSA: Optional[cute.Tensor],
-            mSB: Optional[cute.Tensor],
+            pA: cute.Pointer,
+            pB: cute.Pointer,
+            pD: cute.Pointer,
+            pRow: Optional[cute.Pointer],
+            pCol: Optional[cute.Pointer],
+            pBias: Optional[cute.Pointer],
+            pRes: Optional[cute.Pointer],
+            pSA: Optional[cute.Pointer],
+            pSB: Optional[cute.Pointer],
+            m: cutlass.Int32,
+            n: cutlass.Int32,
+            k: cutlass.Int32,
+            lda16: cutlass.Int64,
+            ldb16: cutlass.Int64,
+            ldd16: cutlass.Int64,
+            ld_res: cutlass.Int64,
+            sa_rows: cutlass.Int32,
+            ld_sa: cutlass.Int64,
+            sb_rows: cutlass.Int32,
+            ld_sb: cutlass.Int64,
             num_sms: cutlass.Int32,
             stream: cuda.CUstream,
         ):
+            """Raw pointers, sizes and row strides in, tensors built here: a call marshals a few integers
+            (about 1 us per pointer) instead of DLPack tensors (about 9 us each). A, B and D row strides
+            arrive in 16-byte units (``lda16``: TMA needs 16-byte rows, and this way the compiler knows
+            it); the residual's and the block scales' in elements."""
+            ab_per_16 = 128 // self.ab_dtype.width
+            out_per_16 = 128 // self.out_dtype.width
+            mA = _matrix(pA, m, k, lda16 * ab_per_16)
+            mB = _matrix(pB, n, k, ldb16 * ab_per_16)
+            mD = _matrix(pD, m, n, ldd16 * out_per_16)
+            mRow = _vector(pRow, m)
+            mCol = _vector(pCol, n)
+            mBias = _vector(pBias, n)
+            mRes = _matrix(pRes, m, n, ld_res)
+            k_blocks = cute.ceil_div(k, SCALE_BLOCK)
+            mSA = _matrix(pSA, sa_rows, k_blocks, ld_sa)
+            mSB = _matrix(pSB, sb_rows, k_blocks, ld_sb)
+            self._launch(mA, mB, mD, mRow, mCol, mBias, mRes, mSA, mSB, num_sms, stream)
+
+        @cute.jit
+        def _launch(self, mA, mB, mD, mRow, mCol, mBias, mRes, mSA, mSB, num_sms, stream):
             self._setup_tiles()  # MMA atoms need the target arch: only known inside the compile
             tile_mk = (self.tile_mnk[0], self.tile_mnk[2])
             tile_nk = (self.tile_mnk[1], self.tile_mnk[2])
@@ -783,6 +816,17 @@ if _CUTLASS_ERROR is None:
                 value = _add_residual(value, mRes, m, n)
                 frag[i] = value
 
+    def _matrix(ptr, rows, cols, row_stride):
+        """A row-major [rows, cols] view of ``ptr``, or None (an absent epilogue input) for None."""
+        if ptr is None:
+            return None
+        return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(row_stride, 1)))
+
+    def _vector(ptr, length):
+        if ptr is None:
+            return None
+        return cute.make_tensor(ptr, cute.make_layout((length,), stride=(1,)))
+
     def _row_slots(tiled_mma, tile_mn):
         """(slot of each accumulator register, one register index per slot): registers grouped by row."""
         coords = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
@@ -816,34 +860,30 @@ _COMPILED: dict = {}  # (KernelConfig, arch) -> compiled kernel
 _COMPILE_LOCK = threading.Lock()
 
 
-def _fake_matrix(dtype, align):
-    """[rows, cols] with runtime rows, cols and row stride, unit last stride."""
-    width = dtype.width // 8
-    return make_fake_tensor(
-        dtype, (cute.sym_int32(), cute.sym_int32()),
-        (cute.sym_int64(divisibility=max(1, align // width)), 1), assumed_align=align)
-
-
-def _fake_vector(dtype):
-    return make_fake_tensor(dtype, (cute.sym_int32(),), (1,), assumed_align=dtype.width // 8)
+def _fake_pointer(dtype, align):
+    return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _fake_arguments(config: KernelConfig):
-    """Placeholders with the same runtime/static structure as the tensors `_runtime_arguments` passes."""
+    """Placeholders with the same runtime/static structure as the arguments `_runtime_arguments` passes:
+    pointers (None for an absent epilogue input: a compile-time flag), then runtime integers."""
     ab, out = _CUTE_DTYPES[config.ab], _CUTE_DTYPES[config.out]
-    return (
-        _fake_matrix(ab, 16),
-        _fake_matrix(ab, 16),
-        _fake_matrix(out, 16),
-        _fake_vector(cutlass.Float32) if config.has_row else None,
-        _fake_vector(cutlass.Float32) if config.has_col else None,
-        _fake_vector(_CUTE_DTYPES[config.bias]) if config.bias else None,
-        _fake_matrix(out, out.width // 8) if config.has_residual else None,
-        _fake_matrix(cutlass.Float32, 4) if config.block_scaled else None,  # a_block
-        _fake_matrix(cutlass.Float32, 4) if config.block_scaled else None,  # b_block
-        cutlass.Int32(132),
-        make_fake_stream(),
+    f32 = cutlass.Float32
+    pointers = (
+        _fake_pointer(ab, 16),
+        _fake_pointer(ab, 16),
+        _fake_pointer(out, 16),
+        _fake_pointer(f32, 4) if config.has_row else None,
+        _fake_pointer(f32, 4) if config.has_col else None,
+        _fake_pointer(_CUTE_DTYPES[config.bias], _CUTE_DTYPES[config.bias].width // 8) if config.bias else None,
+        _fake_pointer(out, out.width // 8) if config.has_residual else None,
+        _fake_pointer(f32, 4) if config.block_scaled else None,  # a_block
+        _fake_pointer(f32, 4) if config.block_scaled else None,  # b_block
     )
+    i32, i64 = cutlass.Int32(1), cutlass.Int64(1)
+    # m, n, k, lda16, ldb16, ldd16, ld_res, sa_rows, ld_sa, sb_rows, ld_sb, num_sms
+    return (*pointers, i32, i32, i32, i64, i64, i64, i64, i32, i64, i32, i64, cutlass.Int32(132),
+            make_fake_stream())
 
 
 def _compile(config: KernelConfig, options: Optional[str] = None):
@@ -883,12 +923,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def _as_cute(t: Optional[torch.Tensor], align: int):
+
+
+def _pointer(t: Optional[torch.Tensor], align: int):
+    """The tensor's data pointer as a CuTe gmem pointer (None stays None: an absent epilogue input)."""
     if t is None:
         return None
-    if t.dim() == 1:
-        return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=1)
+    return make_ptr(_CUTE_OF_TORCH[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def config_for(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, num_sms=132,
@@ -927,12 +968,19 @@ def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dt
 
     With ``a_block`` / ``b_block`` (fp8 only) the product is DeepSeek's 128x128 block-scaled one:
     sum over K blocks kb of a_block[m, kb] * b_block[n // 128, kb] * (a[m, kb-block] . b[n, kb-block]).
+    Raises ValueError, with the reason, for arguments the kernel does not take (see ``supports``).
     """
     reason = supports(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
                       a_block=a_block, b_block=b_block)
     if reason is not None:
         raise ValueError(f"cute_scaled_mm: unsupported arguments: {reason}")
-    m, n = a.shape[0], b.shape[0]
+    return run_supported(a, b, row, col, bias, residual, out_dtype, a_block, b_block)
+
+
+def run_supported(a, b, row, col, bias, residual, out_dtype, a_block, b_block) -> torch.Tensor:
+    """``cute_scaled_mm`` for arguments ``supports`` has accepted (callers that checked already: the
+    scaled_mm op's dispatch), without checking them again."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -941,15 +989,21 @@ def cute_scaled_mm(a, b, *, row=None, col=None, bias=None, residual=None, out_dt
     config = config_for(a, b, row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype,
                         num_sms=num_sms, block_scaled=block_scaled)
     kernel = compiled_kernel(config)
-    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    if block_scaled:
+        a_block, b_block = _scales_for_kernel(a_block), _scales_for_kernel(b_block)
+        sa_rows, ld_sa, sb_rows, ld_sb = a_block.shape[0], a_block.stride(0), b_block.shape[0], b_block.stride(0)
+    else:
+        sa_rows = ld_sa = sb_rows = ld_sb = 1
     kernel(
-        _as_cute(a, 16), _as_cute(b, 16), _as_cute(out, 16),
-        _as_cute(row, 4), _as_cute(col, 4),
-        _as_cute(bias, None if bias is None else bias.element_size()),
-        _as_cute(residual, None if residual is None else residual.element_size()),
-        _as_cute(_scales_for_kernel(a_block), 4) if block_scaled else None,
-        _as_cute(_scales_for_kernel(b_block), 4) if block_scaled else None,
-        cutlass.Int32(num_sms), stream,
+        _pointer(a, 16), _pointer(b, 16), _pointer(out, 16), _pointer(row, 4), _pointer(col, 4),
+        _pointer(bias, None if bias is None else bias.element_size()),
+        _pointer(residual, None if residual is None else residual.element_size()),
+        _pointer(a_block, 4), _pointer(b_block, 4),
+        m, n, k,
+        a.stride(0) * a.element_size() // 16, b.stride(0) * b.element_size() // 16, n * out.element_size() // 16,
+        1 if residual is None else residual.stride(0),
+        sa_rows, ld_sa, sb_rows, ld_sb, num_sms,
+        cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream),
     )
     return out
 
