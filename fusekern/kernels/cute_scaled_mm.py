@@ -50,6 +50,7 @@ Design
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -199,9 +200,15 @@ def _check_device(tensors) -> Optional[str]:
         return f"tensors are on {device.type}, not CUDA"
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return f"needs sm_90 (Hopper), device is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if capability != (9, 0):
+        return f"needs sm_90 (Hopper), device is sm_{''.join(map(str, capability))}"
     return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 SCALE_BLOCK = 128  # the K (and N) width of one block scale
