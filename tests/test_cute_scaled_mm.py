@@ -46,6 +46,8 @@ def test_aot_compile_sm90a_builds_every_shipped_config(tmp_path):
             assert build["stack"] == 0 and build["local"] == 0, build
         if "spill_stores" in build:
             assert build["spill_stores"] == 0 and build["spill_loads"] == 0, build
+        # the launch writes its arguments straight into the slots the compiled function reads
+        assert build["fast_args"], build["name"]
 
 
 def test_heuristics_pick_small_tiles_for_small_batches():
@@ -335,6 +337,34 @@ def test_a_new_batch_size_does_not_recompile():
     size = csm.cache_size()
     _check(1000, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)  # same 128x128 config
     assert csm.cache_size() == size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [False, True], ids=["rowwise", "block128"])
+def test_fast_argument_path_matches_the_dsl_path(block):
+    """The launch that writes its arguments into the compiled function's slots (_Marshal) gives bit for
+    bit what the DSL's own argument conversion gives, over tails, a strided operand and epilogues."""
+    for m, n, k in [(100, 296, 1008), (1000, 4096, 1024), (7, 256, 512)]:
+        if block:
+            a, b, kwargs = _block_inputs(m, n, k, one_row_a=m == 7, has_row=True, has_col=True,
+                                         bias_dtype=torch.bfloat16)
+        else:
+            a, b, kwargs = _gpu_inputs(m, n, k, torch.float8_e4m3fn, torch.bfloat16, True, True, torch.bfloat16, True)
+        wide = torch.zeros(m, k + 32, dtype=torch.uint8, device="cuda")
+        wide[:, 16:16 + k] = a.view(torch.uint8)
+        a = wide.view(torch.float8_e4m3fn)[:, 16:16 + k]  # row stride k + 32, starts 16 bytes in
+        out = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
+        config = csm.config_for(a, b, out_dtype=torch.bfloat16, block_scaled=block, **{
+            key: kwargs[key] for key in ("row", "col", "bias", "residual") if key in kwargs})
+        assert csm._MARSHALS[config] is not None  # the fast path ran
+        csm._MARSHALS[config] = None
+        try:
+            slow = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
+        finally:
+            del csm._MARSHALS[config]
+        assert torch.equal(out, slow), (m, n, k)
+        ref = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **kwargs)
+        assert _rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
