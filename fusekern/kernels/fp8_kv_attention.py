@@ -62,7 +62,7 @@ from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "fp8_kv_attention-3"
+KERNEL_VERSION = "fp8_kv_attention-4"
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -273,25 +273,51 @@ def _store_planes(ptr, row_offs, real, a0, a1, a2, a3, D: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(ws_acc_ptr, ws_ml_ptr, slot0, SPLITS, NR, r, real, D: tl.constexpr, ROWS: tl.constexpr):
-    """The partials of splits 0..SPLITS-1 (slots slot0..) merged in split order: (acc, sum) at a common max."""
+def _load_partial(ws_acc_ptr, ws_ml_ptr, slot, valid, NR, r, real, D: tl.constexpr):
+    """Split ``slot``'s partial (max, sum, acc) of the program's rows; for ``valid`` False (past the last
+    split) the neutral partial (-inf, 0, 0), which ``_fold_partial`` leaves the running sums exact under."""
+    slot = slot.to(tl.int64)
     d = tl.arange(0, D)
+    # .cg: read from L2, where the other programs' stores are, not from a stale L1 line
+    m_s = tl.load(ws_ml_ptr + (2 * slot) * NR + r, mask=real & valid, other=0.0, cache_modifier=".cg")
+    l_s = tl.load(ws_ml_ptr + (2 * slot + 1) * NR + r, mask=real & valid, other=1.0, cache_modifier=".cg")
+    acc_s = tl.load(ws_acc_ptr + (slot * NR + r[:, None]) * D + d[None, :], mask=real[:, None] & valid, other=0.0,
+                    cache_modifier=".cg")
+    return tl.where(valid, m_s, -float("inf")), tl.where(valid, l_s, 0.0), acc_s
+
+
+@triton.jit
+def _fold_partial(m, l_sum, acc, m_s, l_s, acc_s):
+    m_new = tl.maximum(m, m_s)  # finite: split 0 is folded first and every split has a token
+    keep = tl.math.exp2(m - m_new)
+    take = tl.math.exp2(m_s - m_new)
+    return m_new, l_sum * keep + l_s * take, acc * keep[:, None] + acc_s * take[:, None]
+
+
+@triton.jit
+def _merge_splits(ws_acc_ptr, ws_ml_ptr, slot0, SPLITS, NR, r, real, D: tl.constexpr, ROWS: tl.constexpr):
+    """The partials of splits 0..SPLITS-1 (slots slot0..) merged in split order: (acc, sum) at a common max.
+
+    Four splits at a time (blocks up to 16 rows x 128 dims), all four loaded before any is folded: the
+    merge runs after every other program of the KV head has finished, so its L2 round trips are the
+    kernel's tail (one per split, one after the other, when each split's fold waited for its own loads)."""
     m = tl.full((ROWS,), -float("inf"), tl.float32)
     l_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
-    for s in range(SPLITS):
-        slot = (slot0 + s).to(tl.int64)
-        # .cg: read from L2, where the other programs' stores are, not from a stale L1 line
-        m_s = tl.load(ws_ml_ptr + (2 * slot) * NR + r, mask=real, other=0.0, cache_modifier=".cg")
-        l_s = tl.load(ws_ml_ptr + (2 * slot + 1) * NR + r, mask=real, other=1.0, cache_modifier=".cg")
-        acc_s = tl.load(ws_acc_ptr + (slot * NR + r[:, None]) * D + d[None, :], mask=real[:, None], other=0.0,
-                        cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)  # m_s is finite: every split has a token
-        keep = tl.math.exp2(m - m_new)
-        take = tl.math.exp2(m_s - m_new)
-        acc = acc * keep[:, None] + acc_s * take[:, None]
-        l_sum = l_sum * keep + l_s * take
-        m = m_new
+    if ROWS * D <= 2048:
+        for s in range(0, SPLITS, 4):
+            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s, s < SPLITS, NR, r, real, D)
+            m1, l1, a1 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 1, s + 1 < SPLITS, NR, r, real, D)
+            m2, l2, a2 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 2, s + 2 < SPLITS, NR, r, real, D)
+            m3, l3, a3 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 3, s + 3 < SPLITS, NR, r, real, D)
+            m, l_sum, acc = _fold_partial(m, l_sum, acc, m0, l0, a0)
+            m, l_sum, acc = _fold_partial(m, l_sum, acc, m1, l1, a1)
+            m, l_sum, acc = _fold_partial(m, l_sum, acc, m2, l2, a2)
+            m, l_sum, acc = _fold_partial(m, l_sum, acc, m3, l3, a3)
+    else:  # larger blocks: four partials in registers spill (32 rows) or cost occupancy (D = 256)
+        for s in range(SPLITS):
+            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s, s < SPLITS, NR, r, real, D)
+            m, l_sum, acc = _fold_partial(m, l_sum, acc, m0, l0, a0)
     return acc, l_sum
 
 
