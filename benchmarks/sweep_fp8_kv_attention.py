@@ -60,8 +60,10 @@ def main():
         A.MAXNREG, A.CTAS_PER_SM_WANTED = maxnreg or None, ctas
         f = lambda: A.fp8_kv_decode_attention(q, k8, ks, v8, vs, c, num_splits=splits)  # noqa: E731
         try:
-            got = f()
-            got.fill_(float("nan"))  # poison, then run again: the timed result is the one checked
+            f()  # compile
+            # poison: a NaN block of the output's size left in the caching allocator, which the next
+            # output most likely reuses (a kernel that skips part of its output then shows NaN)
+            torch.full(q.shape, float("nan"), dtype=q.dtype, device=dev)
             got = f().float()
             err = ((got - ref).norm() / ref.norm()).item()
             us = triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3

@@ -354,7 +354,7 @@ def test_fast_argument_path_matches_the_dsl_path(block):
         wide[:, 16:16 + k] = a.view(torch.uint8)
         a = wide.view(torch.float8_e4m3fn)[:, 16:16 + k]  # row stride k + 32, starts 16 bytes in
         out = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
-        config = csm.config_for(a, b, out_dtype=torch.bfloat16, block_scaled=block, **{
+        config = csm.config_for(a, b, out_dtype=torch.bfloat16, block_scaled=block, num_sms=csm._sm_count(a.device), **{
             key: kwargs[key] for key in ("row", "col", "bias", "residual") if key in kwargs})
         assert csm._MARSHALS[config] is not None  # the fast path ran
         csm._MARSHALS[config] = None

@@ -96,6 +96,7 @@ def test_scales_rounded_in_the_kernel(round_to):
     assert rel_err(got, ref) < TOL[q.dtype]
     rounded_first = F.fp8_kv_decode_attention(q, k8, ks.to(round_to), v8, vs.to(round_to), 0.125, num_splits=3)
     assert torch.equal(got, rounded_first)
+    assert not torch.equal(got, F.fp8_kv_decode_attention(q, k8, ks, v8, vs, 0.125, num_splits=3))
     with pytest.raises(ValueError, match="rounded to bf16 or fp16"):
         F.fp8_kv_decode_attention(q, k8, ks, v8, vs, 0.125, k_scale_round=torch.float32)
 

@@ -54,6 +54,9 @@ def check(fn, args, c=0.125, fired=1, dynamic=False, extra_args=()):
                              extra_args=extra_args)
     if fired:
         assert FUSED in result.targets, result.targets
+        # the graph casts both scales to q's dtype: the kernel is told to round them the same way
+        dtype = args[0].dtype
+        assert f"k_scale_round: {dtype}, v_scale_round: {dtype}" in "\n".join(result.graphs), result.graphs
         for call in (args, *extra_args):
             got = torch.compile(f, backend="fusekern", dynamic=dynamic)(*call)
             want = _reference(*call, c)
@@ -166,3 +169,20 @@ def test_a_cpu_scalar_with_cuda_caches_declines_instead_of_breaking_the_compile(
     gm = make_fx(attn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
     canonicalize(gm.graph)
     assert SA.rewrite_fp8_kv_attention(gm.graph) == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_scale_casts_are_rounded_exactly_as_the_graph_rounds_them(dtype):
+    """Scales off the 16-bit grid: the compiled result is the op's math with the scales rounded to q's
+    dtype (what the graph's casts do), bit for bit on CPU, and not the math with unrounded scales."""
+    q, k8, ks, v8, vs = make(dtype=dtype)
+    ks, vs = ks * (1 + 2 ** -12), vs * (1 + 2 ** -12)
+    got = torch.compile(functools.partial(plain, 0.125), backend="fusekern")(q, k8, ks, v8, vs)
+    B, Hkv = k8.shape[:2]
+    vs_heads = A.per_head_v_scale(vs, B, Hkv)
+    rounded = A.attention_math(q, k8, ks, v8, vs_heads, 0.125, dtype, dtype)
+    unrounded = A.attention_math(q, k8, ks, v8, vs_heads, 0.125)
+    if DEVICE == "cpu":  # the op's CPU path is attention_math itself
+        assert torch.equal(got, rounded)
+        assert not torch.equal(got, unrounded)
+    assert rel_err(got.cpu().double(), _reference(q, k8, ks, v8, vs, 0.125)) < TOL[dtype]

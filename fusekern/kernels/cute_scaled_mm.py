@@ -942,7 +942,9 @@ class _Marshal:
     DSL's own conversion of distinct sentinel values, keeps one set of ctypes slots per thread, and per
     call writes the values and hands the slot addresses to ``run_compiled_program``. If the learned
     layout is not exactly the expected one (another DSL version), ``learn`` returns None and calls go
-    through the DSL's own path.
+    through the DSL's own path. So do a DSL other than the version this was written against (4.8) and a
+    compiled function of another class (another compiler backend, whose ``run_compiled_program`` takes
+    Python arguments, not slot addresses).
     """
 
     def __init__(self, fn, widths: list[int]):
@@ -955,6 +957,9 @@ class _Marshal:
         import ctypes
 
         try:
+            if not cutlass.__version__.startswith("4.8.") or type(fn).__name__ != "CudaDialectJitCompiledFunction" \
+                    or getattr(fn, "total_added_arguments", 0) != 0:
+                return None
             args = _fake_arguments(config, distinct=True)
             pointers = sum(a is not None for a in args[:9])
             exe_args, _keep = fn.generate_execution_args(*args)
@@ -994,7 +999,8 @@ _STREAM_SENTINEL = 0x7770
 
 
 def _sentinels() -> list[int]:
-    return [1001 + j for j in range(len(_INT_ARGS))]
+    """Distinct values, those of 8-byte arguments with a non-zero high word (a 4-byte slot would lose it)."""
+    return [1001 + j + ((j + 1) << 32 if width == 8 else 0) for j, (_, width) in enumerate(_INT_ARGS)]
 
 
 _MARSHALS: dict = {}  # KernelConfig -> _Marshal, or None where the fast path is off
@@ -1002,10 +1008,11 @@ _MARSHALS: dict = {}  # KernelConfig -> _Marshal, or None where the fast path is
 
 def _marshal(config: KernelConfig):
     if config not in _MARSHALS:
+        fn = compiled_kernel(config)  # before the lock: compiled_kernel takes it too
         with _COMPILE_LOCK:
             if config not in _MARSHALS:
                 _MARSHALS[config] = None if os.environ.get("FUSEKERN_CUTE_FAST_ARGS", "1") == "0" \
-                    else _Marshal.learn(compiled_kernel(config), config)
+                    else _Marshal.learn(fn, config)
     return _MARSHALS[config]
 
 

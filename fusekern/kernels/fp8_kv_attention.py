@@ -575,7 +575,7 @@ def reference_fp8_kv_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch
     ``fp8_kv_decode_attention`` takes them."""
     B, Hq, _, _ = q.shape
     Hkv = k8.shape[1]
-    vs = per_head_v_scale(_round_scale(v_scale, v_scale_round), B, Hkv, q.device).to(torch.float64)
+    vs = _round_scale(per_head_v_scale(v_scale, B, Hkv, q.device), v_scale_round).to(torch.float64)
     k = k8.to(torch.float64) * _round_scale(k_scale, k_scale_round).to(torch.float64)[..., None]
     v = v8.to(torch.float64) * vs[:, :, None, None]
     k = k.repeat_interleave(Hq // Hkv, dim=1)
@@ -599,7 +599,7 @@ def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float, k_scale_round=N
     """The op's CPU path (and the CUDA fallback for caches the kernel cannot read as words): fp32 math."""
     B, Hq, _, _ = q.shape
     Hkv = k8.shape[1]
-    vs = per_head_v_scale(_round_scale(v_scale, v_scale_round), B, Hkv, q.device).float()
+    vs = _round_scale(per_head_v_scale(v_scale, B, Hkv, q.device), v_scale_round).float()
     k_scale = _round_scale(k_scale, k_scale_round)
     k = (k8.float() * k_scale.float()[..., None]).repeat_interleave(Hq // Hkv, dim=1)
     v = (v8.float() * vs[:, :, None, None]).repeat_interleave(Hq // Hkv, dim=1)
