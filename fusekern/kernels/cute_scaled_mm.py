@@ -50,8 +50,10 @@ Design
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import logging
 import math
 import os
 import re
@@ -941,10 +943,10 @@ class _Marshal:
     measured on the host), more than the launch itself. This class learns the slot order once, from the
     DSL's own conversion of distinct sentinel values, keeps one set of ctypes slots per thread, and per
     call writes the values and hands the slot addresses to ``run_compiled_program``. If the learned
-    layout is not exactly the expected one (another DSL version), ``learn`` returns None and calls go
-    through the DSL's own path. So do a DSL other than the version this was written against (4.8) and a
-    compiled function of another class (another compiler backend, whose ``run_compiled_program`` takes
-    Python arguments, not slot addresses).
+    layout is not exactly the expected one, ``learn`` returns None and calls go through the DSL's own
+    path; the same for a DSL other than the version this was written against (4.8) and for a compiled
+    function of another class (another compiler backend, whose ``run_compiled_program`` takes Python
+    arguments, not slot addresses).
     """
 
     def __init__(self, fn, widths: list[int]):
@@ -954,8 +956,6 @@ class _Marshal:
 
     @classmethod
     def learn(cls, fn, config: KernelConfig) -> Optional["_Marshal"]:
-        import ctypes
-
         try:
             if not cutlass.__version__.startswith("4.8.") or type(fn).__name__ != "CudaDialectJitCompiledFunction" \
                     or getattr(fn, "total_added_arguments", 0) != 0:
@@ -974,14 +974,10 @@ class _Marshal:
                     return None
             return cls(fn, [w for _, w in expected])
         except Exception as e:  # noqa: BLE001 - any surprise: the DSL's own call path still works
-            import logging
-
             logging.getLogger("fusekern").info("cute_scaled_mm: argument fast path off (%s: %s)", type(e).__name__, e)
             return None
 
     def _slots(self):
-        import ctypes
-
         slots = getattr(self.local, "slots", None)
         if slots is None:
             objs = [ctypes.c_int32() if w == 4 else ctypes.c_int64() for w in self.widths]
