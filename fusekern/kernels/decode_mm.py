@@ -40,6 +40,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
 from fusekern.patterns.decode.program import (
@@ -102,8 +103,8 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout
     if M <= GEMV_M_MAX:
         # 32 x 256 tiles at 8 warps: the best or near-best of six shapes on gptq, awq, mxfp4, fp8 blocks
         # and uint8-packed int4 (sweep CSV); 4 warps spilled on one decode.
-        tiles = batch * triton.cdiv(N, 32)
-        return Config(1, 32, 256, _split_k(tiles, triton.cdiv(K, 256), sms), 1, 8, 3)
+        tiles = batch * cdiv(N, 32)
+        return Config(1, 32, 256, _split_k(tiles, cdiv(K, 256), sms), 1, 8, 3)
     return DequantConfig()
 
 
@@ -116,7 +117,7 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
             # packed along N (AWQ): narrow column tiles and many programs won on the H200
             # (benchmarks/results/h200/packed_mm_sweep.csv, N = K = 8192)
             for bn, bk, warps, per_sm in ((32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 2), (32, 64, 2, 4)):
-                out.append(pm.PackedGemv(bn, bk, _split_k(triton.cdiv(N, bn), triton.cdiv(K, bk), sms, per_sm),
+                out.append(pm.PackedGemv(bn, bk, _split_k(cdiv(N, bn), cdiv(K, bk), sms, per_sm),
                                          warps))
         else:
             # K tiles of 128 and 4-8 programs per SM (split K, reduced in the kernel) won on every format
@@ -126,13 +127,13 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout) -> l
                                              (32, 4, 4, False), (64, 4, 4, True)):
                 if vec_k and not (lay.bits == 8 and lay.code_dims[-1] == "k"):
                     continue  # vector loads along K won only for 1-byte codes contiguous along K
-                sk = _split_k(triton.cdiv(N, bn), triton.cdiv(K, 128), sms, per_sm)
+                sk = _split_k(cdiv(N, bn), cdiv(K, 128), sms, per_sm)
                 out.append(pm.PackedGemv(bn, 128, sk, warps, vec_k=vec_k))
     if 1 < M <= 64:
-        bm = max(16, triton.next_power_of_2(M))
+        bm = max(16, next_power_of_2(M))
         for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):
-            tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-            out.append(pm.PackedDot(bm, bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms), warps))
+            tiles = cdiv(N, bn) * cdiv(M, bm)
+            out.append(pm.PackedDot(bm, bn, bk, _split_k(tiles, cdiv(K, bk), sms), warps))
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 
@@ -151,15 +152,15 @@ def _generated_candidates(M: int, N: int, K: int, batch: int, sms: int) -> list[
     if M == 1:
         out = []
         for bn, bk, warps in ((32, 256, 8), (32, 128, 4), (64, 128, 8)):
-            tiles = batch * triton.cdiv(N, bn)
-            out.append(Config(1, bn, bk, _split_k(tiles, triton.cdiv(K, bk), sms), 1, warps, 3))
+            tiles = batch * cdiv(N, bn)
+            out.append(Config(1, bn, bk, _split_k(tiles, cdiv(K, bk), sms), 1, warps, 3))
         return out + [DequantConfig()]
     if M <= 64:
-        bm = max(16, triton.next_power_of_2(M))
+        bm = max(16, next_power_of_2(M))
         out = []
         for bk, stages in ((128, 2), (64, 3)):
-            tiles = batch * triton.cdiv(N, 64) * triton.cdiv(M, bm)
-            out.append(Config(bm, 64, bk, _split_k(tiles, triton.cdiv(K, bk), sms), 1, 4, stages, SWAP_AB=bm <= 32))
+            tiles = batch * cdiv(N, 64) * cdiv(M, bm)
+            out.append(Config(bm, 64, bk, _split_k(tiles, cdiv(K, bk), sms), 1, 4, stages, SWAP_AB=bm <= 32))
         return [DequantConfig(), *out]
     return [DequantConfig()]
 
@@ -172,7 +173,7 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
     the first call and cached per device. While a CUDA graph is being captured nothing can be timed: the
     cached choice, or ``select_config``, is used."""
     prog = DecodeProgram.from_text(text)
-    bucket = triton.next_power_of_2(M)
+    bucket = next_power_of_2(M)
     key = (text, layout, bucket, batch, x.device)
     if key in _tuned:
         return _tuned[key]
@@ -217,7 +218,7 @@ def _gpu_time(run, reps: int = 3, launches: int = 10) -> float:
 
 def _split_k(tiles: int, k_tiles: int, sms: int, per_sm: int = 2) -> int:
     """Enough K-slices that about ``per_sm`` programs run per SM, each reducing at least two K-tiles."""
-    want = triton.cdiv(per_sm * sms, max(tiles, 1))
+    want = cdiv(per_sm * sms, max(tiles, 1))
     return max(1, min(want, 16, k_tiles // 2))
 
 
@@ -676,7 +677,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         raise ValueError(f"decode_mm_triton: workspace must be {out_dtype}[{cfg.SPLIT_K}, {Bt}, {M}, {prog.N}]")
     has_bias = bias is not None and cfg.SPLIT_K == 1
     b2 = bias.expand(M, prog.N) if has_bias else x
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(prog.N, cfg.BLOCK_N), cfg.SPLIT_K, Bt)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(prog.N, cfg.BLOCK_N), cfg.SPLIT_K, Bt)
     _launch(text, cfg, grid,
         x3, b2, out, *leaves, M, x3.stride(0), x3.stride(1), x3.stride(2),
         b2.stride(0) if has_bias else 0, b2.stride(1) if has_bias else 0,
@@ -694,7 +695,7 @@ def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = De
     prog = DecodeProgram.from_text(text)
     Bt = max(prog.batch, 1)
     w = torch.empty((Bt, prog.K, prog.N), device=leaves[0].device, dtype=dtype)
-    grid = (triton.cdiv(prog.K, cfg.BLOCK_K), triton.cdiv(prog.N, cfg.BLOCK_N), Bt)
+    grid = (cdiv(prog.K, cfg.BLOCK_K), cdiv(prog.N, cfg.BLOCK_N), Bt)
     module_for(text).decode_kernel[grid](w, *leaves, w.stride(0), w.stride(1), w.stride(2),
                                          BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps)
     return w

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_counters import split_counters
 
@@ -95,7 +96,7 @@ def block_tokens(head_dim: int, rows: int) -> int:
 
 def padded_rows(rows: int) -> int:
     """ROWS: the program's query rows rounded up to a power of two, at least 16 (the dot's smallest M)."""
-    return max(16, triton.next_power_of_2(rows))
+    return max(16, next_power_of_2(rows))
 
 
 def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
@@ -112,9 +113,9 @@ def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
 def split_chunk(seq_len: int, splits: int, block: int) -> tuple[int, int]:
     """(tokens per split, a multiple of ``block``; the number of splits with that chunk, none empty).
     Only the last split may be shorter than the others."""
-    splits = max(1, min(splits, triton.cdiv(seq_len, block)))
-    chunk = triton.cdiv(triton.cdiv(seq_len, splits), block) * block
-    return chunk, triton.cdiv(seq_len, chunk)
+    splits = max(1, min(splits, cdiv(seq_len, block)))
+    chunk = cdiv(cdiv(seq_len, splits), block) * block
+    return chunk, cdiv(seq_len, chunk)
 
 
 # ----------------------------------------------------------------------------- kernel

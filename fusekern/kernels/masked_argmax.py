@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.split_counters import split_counters
 
 KERNEL_VERSION = "masked_argmax-2"
@@ -143,13 +144,13 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         smb, smv = (m2.stride(0) if m2.shape[0] > 1 else 0), m2.stride(1)
     else:
         m2, smb, smv = logits, 0, 0
-    block = min(block, triton.next_power_of_2(V))
-    blocks = triton.cdiv(V, block)
+    block = min(block, next_power_of_2(V))
+    blocks = cdiv(V, block)
     if split is None:
-        split = triton.cdiv(2 * sm_count(logits.device), max(B, 1))
+        split = cdiv(2 * sm_count(logits.device), max(B, 1))
     split = max(1, min(split, blocks))
-    chunk = triton.cdiv(blocks, split) * block
-    split = triton.cdiv(V, chunk)  # no empty chunk
+    chunk = cdiv(blocks, split) * block
+    split = cdiv(V, chunk)  # no empty chunk
     if split > 1:
         ws_v = torch.empty(B * split, dtype=torch.float32, device=logits.device)
         ws_i = torch.empty(2 * B * split, dtype=torch.int32, device=logits.device)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
@@ -720,7 +721,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         words = _ARGS.put((lay, "words"), leaves, _words(lay, leaves[lay.code]))
     word_i32, p, order = words
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, word_i32)
-    tiles_n = triton.cdiv(N, cfg.BLOCK_N)
+    tiles_n = cdiv(N, cfg.BLOCK_N)
     if cfg.SPLIT_K > 1:
         ws = workspace if workspace is not None else \
             torch.empty((cfg.SPLIT_K, M, N), device=x.device, dtype=torch.float32)
@@ -760,7 +761,7 @@ def _gemv_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Pac
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
-    packed_gemv_n_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)](
+    packed_gemv_n_kernel[(cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, M)](
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
         P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
@@ -775,7 +776,7 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
-    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, triton.cdiv(M, cfg.BLOCK_M))
+    grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, cdiv(M, cfg.BLOCK_M))
     packed_dot_kernel[grid](
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
@@ -790,7 +791,7 @@ def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
     """The weight ``[K, N]`` in ``dtype``, written once."""
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     w = torch.empty((K, N), device=leaves[lay.code].device, dtype=dtype)
-    grid = (triton.cdiv(K, cfg.BLOCK_K), triton.cdiv(N, cfg.BLOCK_N))
+    grid = (cdiv(K, cfg.BLOCK_K), cdiv(N, cfg.BLOCK_N))
     packed_decode_kernel[grid](
         w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1),
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",

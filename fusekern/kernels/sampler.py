@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv, next_power_of_2
 
 KERNEL_VERSION = "sampler-3"
 
@@ -48,7 +49,7 @@ MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects
 
 def chunk_block(B: int, V: int) -> int:
     """Tokens per step of a chunk's first pass (held in registers; the next step's load is in flight)."""
-    return min(2048, max(16, triton.next_power_of_2(V)))
+    return min(2048, max(16, next_power_of_2(V)))
 
 
 def chunk_warps(block: int, key_bits: int = 16) -> int:
@@ -59,8 +60,8 @@ def chunk_warps(block: int, key_bits: int = 16) -> int:
 def chunk_span(B: int, V: int, block: int, sms: int) -> int:
     """Tokens per chunk (one CTA), a multiple of ``block``: about four CTAs per SM over the batch, at most
     32 chunks a row (H200 sweep, git 6445512: 32 chunks at B = 1, 16 at B = 32, 3-4 at B = 256)."""
-    ctas = max(1, min(triton.cdiv(4 * sms, B), 32, triton.cdiv(V, block)))
-    return triton.cdiv(triton.cdiv(V, ctas), block) * block
+    ctas = max(1, min(cdiv(4 * sms, B), 32, cdiv(V, block)))
+    return cdiv(cdiv(V, ctas), block) * block
 
 
 FINISH_WARPS = 8  # of step 2's CTA: 4 measured no faster at 512 slots and spilled on Triton 3.9
@@ -70,7 +71,7 @@ def keys_per_chunk(top_k: int | None, block: int) -> int:
     """KC: how many of its largest keys a chunk delivers at least, k_c = min(k, KC). A power of two >= a
     scalar top-k (then the chunk holding the row's threshold alone proves the top-k exact), 64 without a
     known top-k (none, or one per row), at most 256; the rest is proved exact or not per row by step 2."""
-    kc = 64 if top_k is None else triton.next_power_of_2(max(top_k, 16))
+    kc = 64 if top_k is None else next_power_of_2(max(top_k, 16))
     return int(min(kc, 256, block))
 
 
@@ -684,7 +685,7 @@ def sample_triton(
         raise ValueError(f"sample: span {span} must be a multiple of block {block}")
     scalar_k = k_scalar if has_k and topk is None else None
     kc = kc or keys_per_chunk(scalar_k, block)
-    slots = slots or slots_for(kc, triton.cdiv(V, span), scalar_k)
+    slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
     for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups)):
         if value < 1 or value & (value - 1):
@@ -692,7 +693,7 @@ def sample_triton(
     if not kc <= groups <= block:
         raise ValueError(f"sample: need kc <= groups <= block, got {kc}, {groups}, {block}")
     warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
-    C = triton.cdiv(V, span)
+    C = cdiv(V, span)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
     best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
@@ -712,7 +713,7 @@ def sample_triton(
         TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
-        KC=kc, GROUPS=groups, C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
+        KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
         KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub_block(warps), block),
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
@@ -735,7 +736,7 @@ def aot_builds():
         block = chunk_block(B, V)
         span = chunk_span(B, V, block, 132)
         kc = keys_per_chunk(k, block)
-        C = triton.cdiv(V, span)
+        C = cdiv(V, span)
         slots = slots_for(kc, C, k)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
@@ -746,7 +747,7 @@ def aot_builds():
         constexprs = dict(
             TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
-            GROUPS=groups_for(kc, block), C_BLOCK=triton.next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
+            GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
             SUB=min(sub_block(chunk_warps(block, key_bits)), block))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.remat import block_index, remat_flags
 from fusekern.kernels.w8a16_linear import _tile_coords  # grouped tile order, shared with the W8A16 GEMM
 
@@ -279,7 +280,7 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
     cfg = config or select_config(M, N, K, cd.itemsize, group_k if blocked else 0)
     if blocked and cfg.BLOCK_K > group_k:
         raise ValueError(f"scaled_mm: BLOCK_K={cfg.BLOCK_K} exceeds the scale group {group_k}")
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     (wrap(_scaled_mm_kernel) if wrap is not None else _scaled_mm_kernel)[grid](
         a, b, out, row, col, bias, residual, a_block, b_block,
         M, N, K,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.remat import block_index, remat_flags
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
@@ -84,10 +85,10 @@ def select_config(M: int, N: int, K: int, sm_count: int = 132) -> SplitKConfig |
         # and split-K wins (32.5 us against 46 us at 1x4096x14336, 64 tiles).
         # Rematerialization hints were measured slower here (30.6 / 13.1 us full against 29.6 / 12.6 off,
         # benchmarks/results/h200/remat.csv): both small-M kernels ship with them off.
-        if 4 * triton.cdiv(N, 64) >= 3 * sm_count:
+        if 4 * cdiv(N, 64) >= 3 * sm_count:
             return GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4, remat="off")
-        tiles = triton.cdiv(N, 32)
-        split_k = max(1, min(4, (2 * sm_count) // max(tiles, 1), triton.cdiv(K, 256)))
+        tiles = cdiv(N, 32)
+        split_k = max(1, min(4, (2 * sm_count) // max(tiles, 1), cdiv(K, 256)))
         return SplitKConfig(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5, SPLIT_K=split_k, remat="off")
     if M <= GEMM_M_MAX:
         # Rematerialization: "full" measured 78.6 us against 80.2 us off at 64x8192x8192, same registers
@@ -348,22 +349,22 @@ def w8a16_linear_triton(
     meta = dict(HAS_BIAS=bias is not None, EVEN_K=K % config.BLOCK_K == 0, **remat_flags(config.remat),
                 num_warps=config.num_warps, num_stages=config.num_stages)
     if isinstance(config, SplitKConfig):
-        split_k = max(1, min(config.SPLIT_K, triton.cdiv(K, config.BLOCK_K)))
+        split_k = max(1, min(config.SPLIT_K, cdiv(K, config.BLOCK_K)))
         # With split-K the kernel writes fp32 partials; the epilogue kernel then writes `out`.
         dst = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32) if split_k > 1 else out
-        grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, 16), split_k)
+        grid = (cdiv(N, config.BLOCK_N), cdiv(M, 16), split_k)
         launch(_w8a16_splitk_kernel)[grid](
             x, w, scale, bias_arg, dst, M, N, K, *strides,
             SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **meta,
         )
         if split_k > 1:
             block = 1024
-            launch(_splitk_epilogue_kernel)[(triton.cdiv(M * N, block),)](
+            launch(_splitk_epilogue_kernel)[(cdiv(M * N, block),)](
                 dst, scale, bias_arg, out, M, N, *strides[4:],
                 HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
             )
     else:
-        grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N),)
+        grid = (cdiv(M, config.BLOCK_M) * cdiv(N, config.BLOCK_N),)
         launch(_w8a16_gemm_kernel)[grid](
             x, w, scale, bias_arg, out, M, N, K, *strides,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
@@ -376,7 +377,7 @@ def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig, launch
     """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue)."""
     N, K = w.shape
     w_deq = torch.empty((N, K), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(K, config.BLOCK_K))
+    grid = (cdiv(N, config.BLOCK_N), cdiv(K, config.BLOCK_K))
     launch(_dequant_kernel)[grid](
         w, scale, w_deq, N, K, w.stride(0), w.stride(1), scale.stride(0),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=4,
