@@ -274,15 +274,17 @@ def _store_planes(ptr, row_offs, real, a0, a1, a2, a3, D: tl.constexpr):
 
 
 @triton.jit
-def _load_partial(ws_acc_ptr, ws_ml_ptr, slot, valid, NR, r, real, D: tl.constexpr):
-    """Split ``slot``'s partial (max, sum, acc) of the program's rows; for ``valid`` False (past the last
-    split) the neutral partial (-inf, 0, 0), which ``_fold_partial`` leaves the running sums exact under."""
-    slot = slot.to(tl.int64)
+def _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, split, SPLITS, NR, r, real, D: tl.constexpr):
+    """Split ``split``'s partial (max, sum, acc) of the program's rows; past the last split the neutral
+    partial (-inf, 0, 0), which ``_fold_partial`` leaves the running sums exact under."""
+    slot = (slot0 + split).to(tl.int64)
     d = tl.arange(0, D)
+    valid = (r * 0 + split) < SPLITS  # a tensor: Triton's interpreter takes no Python bool in a mask
+    rows = real & valid
     # .cg: read from L2, where the other programs' stores are, not from a stale L1 line
-    m_s = tl.load(ws_ml_ptr + (2 * slot) * NR + r, mask=real & valid, other=0.0, cache_modifier=".cg")
-    l_s = tl.load(ws_ml_ptr + (2 * slot + 1) * NR + r, mask=real & valid, other=1.0, cache_modifier=".cg")
-    acc_s = tl.load(ws_acc_ptr + (slot * NR + r[:, None]) * D + d[None, :], mask=real[:, None] & valid, other=0.0,
+    m_s = tl.load(ws_ml_ptr + (2 * slot) * NR + r, mask=rows, other=0.0, cache_modifier=".cg")
+    l_s = tl.load(ws_ml_ptr + (2 * slot + 1) * NR + r, mask=rows, other=1.0, cache_modifier=".cg")
+    acc_s = tl.load(ws_acc_ptr + (slot * NR + r[:, None]) * D + d[None, :], mask=rows[:, None], other=0.0,
                     cache_modifier=".cg")
     return tl.where(valid, m_s, -float("inf")), tl.where(valid, l_s, 0.0), acc_s
 
@@ -307,17 +309,17 @@ def _merge_splits(ws_acc_ptr, ws_ml_ptr, slot0, SPLITS, NR, r, real, D: tl.const
     acc = tl.zeros((ROWS, D), tl.float32)
     if ROWS * D <= 2048:
         for s in range(0, SPLITS, 4):
-            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s, s < SPLITS, NR, r, real, D)
-            m1, l1, a1 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 1, s + 1 < SPLITS, NR, r, real, D)
-            m2, l2, a2 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 2, s + 2 < SPLITS, NR, r, real, D)
-            m3, l3, a3 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s + 3, s + 3 < SPLITS, NR, r, real, D)
+            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, s, SPLITS, NR, r, real, D)
+            m1, l1, a1 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, s + 1, SPLITS, NR, r, real, D)
+            m2, l2, a2 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, s + 2, SPLITS, NR, r, real, D)
+            m3, l3, a3 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, s + 3, SPLITS, NR, r, real, D)
             m, l_sum, acc = _fold_partial(m, l_sum, acc, m0, l0, a0)
             m, l_sum, acc = _fold_partial(m, l_sum, acc, m1, l1, a1)
             m, l_sum, acc = _fold_partial(m, l_sum, acc, m2, l2, a2)
             m, l_sum, acc = _fold_partial(m, l_sum, acc, m3, l3, a3)
     else:  # larger blocks: four partials in registers spill (32 rows) or cost occupancy (D = 256)
         for s in range(SPLITS):
-            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + s, s < SPLITS, NR, r, real, D)
+            m0, l0, a0 = _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, s, SPLITS, NR, r, real, D)
             m, l_sum, acc = _fold_partial(m, l_sum, acc, m0, l0, a0)
     return acc, l_sum
 
