@@ -870,6 +870,12 @@ _COMPILED: dict = {}  # (KernelConfig, arch) -> compiled kernel
 _COMPILE_LOCK = threading.Lock()
 
 
+# The kernel's runtime arguments after the nine pointers: (name, bytes). Order and widths as in
+# ``_ScaledMmKernel.__call__``; the stream handle comes last.
+_INT_ARGS = (("m", 4), ("n", 4), ("k", 4), ("lda16", 8), ("ldb16", 8), ("ldd16", 8), ("ld_res", 8),
+             ("sa_rows", 4), ("ld_sa", 8), ("sb_rows", 4), ("ld_sb", 8), ("num_sms", 4))
+
+
 def _fake_arguments(config: KernelConfig, distinct: bool = False):
     """Placeholders with the same runtime/static structure as the arguments `run_supported` passes:
     pointers (None for an absent epilogue input: a compile-time flag), then runtime integers. With
@@ -895,10 +901,9 @@ def _fake_arguments(config: KernelConfig, distinct: bool = False):
     )
     if distinct:
         return (*pointers, *_sentinels(), cuda.CUstream(_STREAM_SENTINEL))
-    i32, i64 = cutlass.Int32(1), cutlass.Int64(1)
-    # m, n, k, lda16, ldb16, ldd16, ld_res, sa_rows, ld_sa, sb_rows, ld_sb, num_sms
-    return (*pointers, i32, i32, i32, i64, i64, i64, i64, i32, i64, i32, i64, cutlass.Int32(132),
-            make_fake_stream())
+    ints = [(cutlass.Int32 if width == 4 else cutlass.Int64)(132 if name == "num_sms" else 1)
+            for name, width in _INT_ARGS]
+    return (*pointers, *ints, make_fake_stream())
 
 
 def _compile(config: KernelConfig, options: Optional[str] = None):
@@ -927,11 +932,6 @@ def cache_size() -> int:
 # --------------------------------------------------------------------------------------------------
 # Launch without the DSL's per-call argument conversion
 # --------------------------------------------------------------------------------------------------
-
-# The kernel's runtime arguments after the nine pointers: (name, bytes). Order and widths as in
-# ``_ScaledMmKernel.__call__``; the stream handle comes last.
-_INT_ARGS = (("m", 4), ("n", 4), ("k", 4), ("lda16", 8), ("ldb16", 8), ("ldd16", 8), ("ld_res", 8),
-             ("sa_rows", 4), ("ld_sa", 8), ("sb_rows", 4), ("ld_sb", 8), ("num_sms", 4))
 
 
 class _Marshal:
