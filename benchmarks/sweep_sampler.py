@@ -26,11 +26,15 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 
 
 def configs(B: int):
-    """Step size and warps, CTAs per row (the span), candidate slots per chunk, step 2's warps."""
-    for (block, warps), ctas, slots in itertools.product(((4096, 8), (2048, 4)), (1, 2, 4, 8, 16, 32), (64, 128)):
-        if ctas * B <= 8 * 132 and triton.next_power_of_2(ctas) * slots <= 8192:
-            span = triton.cdiv(triton.cdiv(V, ctas), block) * block
-            yield dict(block=block, warps=warps, span=span, slots=slots)
+    """Step size and warps, tokens per thread of the re-read passes (sub), CTAs per row (the span); the
+    candidate slots follow the shipped heuristic."""
+    ctas_per_row = {1: (16, 32, 64), 8: (8, 16, 32), 32: (8, 16, 32), 256: (2, 3, 4, 6), 512: (1, 2, 3)}
+    for (block, warps), per_thread, ctas in itertools.product(((2048, 4), (4096, 8), (1024, 2)), (2, 4),
+                                                             ctas_per_row.get(B, (1, 2, 4))):
+        span = S.cdiv(S.cdiv(V, ctas), block) * block
+        C = S.cdiv(V, span)
+        yield dict(block=block, warps=warps, span=span, sub=32 * warps * per_thread,
+                   slots=S.slots_for(S.keys_per_chunk(K, block), C, K))
 
 
 def main():
@@ -55,11 +59,10 @@ def main():
         want = S.sample_reference(logits, T, K, P, q=q).tolist()
         block = S.chunk_block(B, V)
         span = S.chunk_span(B, V, block, torch.cuda.get_device_properties(0).multi_processor_count)
-        default = dict(block=block, warps=S.chunk_warps(block), span=span,
-                       slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span)))
-        fw = [dict(default, finish_warps=w) for w in (4, 8, 16)]
+        default = dict(block=block, warps=S.chunk_warps(block), span=span, sub=S.sub_block(S.chunk_warps(block)),
+                       slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span), K))
         best = None
-        for cfg in [default] if args.default_only else [default, *fw, *configs(B)]:
+        for cfg in [default] if args.default_only else [default, *configs(B)]:
             try:
                 got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()
                 exact = got == want
@@ -70,9 +73,9 @@ def main():
                 exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             tag = "default" if cfg is default else ""
             out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], span=cfg["span"],
-                           slots=cfg["slots"], finish_warps=cfg.get("finish_warps", ""), tag=tag, median_us=round(us, 2), exact=exact,
+                           slots=cfg["slots"], sub=cfg["sub"], tag=tag, median_us=round(us, 2), exact=exact,
                            error=err))
-            print(f"B={B:4d} {str(cfg):58s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
+            print(f"B={B:4d} {str(cfg):72s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
                   flush=True)
             if exact and (best is None or us < best[0]):
                 best = (us, cfg)
@@ -81,7 +84,7 @@ def main():
             us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
                                                    rep=100) * 1e3
             exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
-            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, finish_warps="", tag="before", median_us=round(us, 2),
+            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, tag="before", median_us=round(us, 2),
                            exact=exact, error=""))
             print(f"B={B:4d} before {us:8.2f} us {'exact' if exact else 'MISMATCH'}", flush=True)
         if args.profile:

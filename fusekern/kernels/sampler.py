@@ -92,8 +92,9 @@ def groups_for(kc: int, block: int) -> int:
 
 def sub_block(warps: int) -> int:
     """Tokens per step of the loops that re-read a chunk (writing candidates, the race without filters):
-    16 per thread."""
-    return 512 * warps
+    4 per thread. Each token there holds a 64-bit candidate and its 64-bit address: at 16 per thread
+    (2048 on 4 warps) step 1 took 190 registers (two CTAs per SM, latency-bound), at 4 it takes 72."""
+    return 128 * warps
 
 
 def kept_block(kc: int) -> int:
@@ -389,9 +390,11 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     ~1.1 k_c on random rows. Only a guess that overflows the slots (clustered or tied keys) is narrowed by
     a binary search on counts."""
     # Per position of the step, carried across steps without any reduction (no barrier per step): the
-    # largest and the smallest key (a NaN's key lies beyond the infinities' keys, by its sign).
+    # largest key, where a NaN counts as the largest (its key lies beyond the infinities' keys, by its sign:
+    # a negative NaN's below -inf's is moved above every key; one running max instead of a max and a min).
     kmax = tl.full((BLOCK,), MIN_KEY, tl.int32)
-    kmin = tl.full((BLOCK,), 2**31 - 1, tl.int32)
+    low = _key_of(tl.full((), float("-inf"), tl.float32), DTYPE)
+    nan_top = tl.full((), 2**31 - 1, tl.int32)
     m_run = tl.full((), float("-inf"), tl.float32)
     s_run = tl.zeros((), tl.float32)
     # BLOCK tokens per step, the next step's load issued before this step's work (two steps in flight)
@@ -401,8 +404,7 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
         key = key_next
         offs_next = offs + BLOCK
         key_next = _load_keys(logits_ptr, row, stride_row, offs_next, offs_next < end)
-        kmax = tl.maximum(kmax, key)
-        kmin = tl.minimum(kmin, key)
+        kmax = tl.maximum(kmax, tl.where(key < low, nan_top, key))
         if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp, online
             x = _scale(_x_of_key(key, DTYPE), temperature, DTYPE)  # -inf where masked
             m_new = tl.maximum(m_run, tl.max(x, axis=0))
@@ -413,10 +415,9 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     if ROW_SUM:
         tl.store(max_ptr + at, m_run)
         tl.store(sum_ptr + at, s_run)
-    inf = tl.full((), float("inf"), tl.float32)
-    nan = ((tl.max(kmax, axis=0) > _key_of(inf, DTYPE)) | (tl.min(kmin, axis=0) < _key_of(-inf, DTYPE))).to(tl.int32)
     gmax = tl.max(tl.reshape(kmax, (GROUPS, BLOCK // GROUPS)), axis=1)
     top = tl.max(gmax, axis=0)
+    nan = (top > _key_of(tl.full((), float("inf"), tl.float32), DTYPE)).to(tl.int32)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
     n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
@@ -635,6 +636,7 @@ def sample_triton(
     kc: int | None = None,
     groups: int | None = None,
     finish_warps: int | None = None,
+    sub: int | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
@@ -648,7 +650,8 @@ def sample_triton(
     above): ``block``: tokens per step of a chunk; ``span``: tokens per chunk (a multiple of ``block``);
     ``slots``: candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a
     chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
-    kc <= groups <= block); ``finish_warps``: of step 2's CTA.
+    kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
+    re-read a chunk (a power of two <= block).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -687,12 +690,13 @@ def sample_triton(
     kc = kc or keys_per_chunk(scalar_k, block)
     slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
-    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups)):
+    warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
+    sub = sub or min(sub_block(warps), block)
+    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"sample: {name} must be a power of two, got {value}")
-    if not kc <= groups <= block:
-        raise ValueError(f"sample: need kc <= groups <= block, got {kc}, {groups}, {block}")
-    warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
+    if not kc <= groups <= block or sub > block:
+        raise ValueError(f"sample: need kc <= groups <= block and sub <= block, got {kc}, {groups}, {block}, {sub}")
     C = cdiv(V, span)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
@@ -714,7 +718,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub_block(warps), block),
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub,
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
