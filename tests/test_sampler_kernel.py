@@ -119,6 +119,25 @@ def test_ties_at_the_pivot_are_kept():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["one position", "constant row", "spread"])
+def test_candidate_write_paths(dtype, layout):
+    """Step 1 re-reads only the step positions whose running max reaches the chunk's threshold. "one
+    position": the largest tokens all sit at one position of every step (the gathered count overflows the
+    slots: a search among the gathered tokens); "constant row": every position is flagged (more than the
+    slots: the search over the whole chunk); "spread": the usual case."""
+    B, V, block = 2, 2048, 64
+    logits = make_logits(B, V, dtype, seed=31, scale=0.5)
+    if layout == "one position":
+        logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
+    elif layout == "constant row":
+        logits[:] = 1.0
+    q = exp_noise(B, V, seed=32)
+    out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)
+    S.sample_triton(logits, 1.0, 5, 0.9, seed=seed_tensor(), noise=q, out=out, block=block, span=V)
+    assert out.cpu().tolist() == S.sample_reference(logits, 1.0, 5, 0.9, q=q).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_tokens_are_never_sampled(dtype):
     B, V, k, p = 16, 120, 8, 0.7
     logits = make_logits(1, V, dtype, seed=9, scale=0.5).expand(B, V).contiguous()  # flat: masks matter

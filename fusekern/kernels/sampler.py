@@ -97,6 +97,11 @@ def sub_block(warps: int) -> int:
     return 128 * warps
 
 
+def gather_steps(warps: int, slots: int) -> int:
+    """Steps of a chunk whose flagged positions are gathered at once (8 tokens per thread)."""
+    return max(1, 256 * warps // slots)
+
+
 def kept_block(kc: int) -> int:
     """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
     return min(max(kc, 16), 128)
@@ -354,21 +359,52 @@ def _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, 
 
 
 @triton.jit
-def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.constexpr, SUB: tl.constexpr):
+def _gathered(logits_ptr, row, stride_row, start, end, t, pos, n_pos, cand_ptr, at, WRITE: tl.constexpr,
+              SLOTS: tl.constexpr, BLOCK: tl.constexpr, SG: tl.constexpr):
+    """Over the chunk's tokens at the step positions ``pos`` (the first n_pos of SLOTS; every token with
+    key >= t lies at one of them): how many have key >= t; with WRITE, also writes those that fit the
+    slots (packed key << 32 | token, by step then position). SG steps are gathered at once: a few loads
+    in flight per thread instead of a re-read of the whole chunk step by step."""
+    j = tl.arange(0, SLOTS)
+    i = tl.arange(0, SG)
+    n = tl.zeros((), tl.int32)
+    for s0 in range(start, end, SG * BLOCK):
+        tok = s0 + i[:, None] * BLOCK + pos[None, :]
+        ok = (j[None, :] < n_pos) & (tok < end)
+        key = _load_keys(logits_ptr, row, stride_row, tok, ok)
+        sel = ok & (key >= t)
+        per_step = tl.sum(sel.to(tl.int32), axis=1)
+        if WRITE:
+            before = tl.cumsum(per_step, axis=0) - per_step
+            slot = n + before[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+            packed = (key.to(tl.int64) << 32) | tok.to(tl.int64)  # tokens are < 2**30: the low word is the token
+            tl.store(cand_ptr + at.to(tl.int64) * SLOTS + slot, packed, mask=sel & (slot < SLOTS))
+        n += tl.sum(per_step, axis=0)
+    return n
+
+
+@triton.jit
+def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, pos, n_pos, cand_ptr, at, GATHERED: tl.constexpr,
+            SLOTS: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr, SG: tl.constexpr):
     """A key t in [lo, hi) with k <= count(key >= t) <= SLOTS where one exists (else the largest t with
-    count >= k), by a binary search on counts over the chunk (re-read per step) that stops as soon as the
-    count fits. Needs count(key >= lo) >= k and count(key >= hi) < k. The rare path of a chunk whose
-    first guess overflowed (clustered or tied keys)."""
+    count >= k), by a binary search on counts that stops as soon as the count fits. Needs
+    count(key >= lo) >= k and count(key >= hi) < k. GATHERED: the counts are over the tokens at the
+    flagged positions (they hold every token >= lo); otherwise over the whole chunk, re-read per step.
+    The rare path of a chunk whose first guess overflowed (clustered or tied keys)."""
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
     done = tl.zeros((), tl.int1)
     while (done == 0) & (hi - lo > 1):
         mid = (lo + hi) >> 1
-        c = tl.zeros((), tl.int32)
-        for off in range(start, end, SUB):
-            offs = off + tl.arange(0, SUB)
-            key = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
-            c += tl.sum(((offs < end) & (key >= mid)).to(tl.int32), axis=0)
+        if GATHERED:
+            c = _gathered(logits_ptr, row, stride_row, start, end, mid, pos, n_pos, cand_ptr, at, False, SLOTS,
+                          BLOCK, SG)
+        else:
+            c = tl.zeros((), tl.int32)
+            for off in range(start, end, SUB):
+                offs = off + tl.arange(0, SUB)
+                key = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
+                c += tl.sum(((offs < end) & (key >= mid)).to(tl.int32), axis=0)
         lo = tl.where(c >= k, mid, lo)
         hi = tl.where(c >= k, hi, mid)
         done = (c >= k) & (c <= SLOTS)
@@ -378,7 +414,7 @@ def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.conste
 @triton.jit
 def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
                       ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr,
-                      BLOCK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+                      BLOCK: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr, DTYPE: tl.constexpr):
     """Step 1 for one chunk: writes its candidates, the tokens with key >= t_c, and returns (t_c, their
     count, largest key, NaN flag), t_c with k_c <= count(key >= t_c) <= SLOTS where one exists
     (k_c <= KC <= GROUPS).
@@ -420,9 +456,28 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     nan = (top > _key_of(tl.full((), float("inf"), tl.float32), DTYPE)).to(tl.int32)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
-    n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
-    if n > SLOTS:
-        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, SLOTS, SUB)
+    # Every token with key >= t lies at a step position whose running max is >= t: there are at most
+    # as many such positions as tokens, so with a guess that fits the slots they fit too. Their list goes
+    # through the chunk's slots (the candidates overwrite it), then only those positions are re-read.
+    flag = kmax >= t
+    n_pos = tl.sum(flag.to(tl.int32), axis=0)
+    n = tl.full((), SLOTS + 1, tl.int32)
+    if n_pos <= SLOTS:
+        base = cand_ptr + at.to(tl.int64) * SLOTS
+        tl.store(base + tl.cumsum(flag.to(tl.int32), axis=0) - 1, tl.arange(0, BLOCK).to(tl.int64), mask=flag)
+        tl.debug_barrier()
+        j = tl.arange(0, SLOTS)
+        pos = tl.load(base + j, mask=j < n_pos, other=0, cache_modifier=".cg").to(tl.int32)
+        tl.debug_barrier()  # every position read before a candidate overwrites its slot
+        n = _gathered(logits_ptr, row, stride_row, start, end, t, pos, n_pos, cand_ptr, at, True, SLOTS, BLOCK, SG)
+        if n > SLOTS:  # several tokens at one position (or ties): search among the gathered tokens
+            t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, pos, n_pos,
+                        cand_ptr, at, True, SLOTS, SUB, BLOCK, SG)
+            n = _gathered(logits_ptr, row, stride_row, start, end, t, pos, n_pos, cand_ptr, at, True, SLOTS,
+                          BLOCK, SG)
+    if n > SLOTS:  # more flagged positions than slots, or ties no threshold separates: over the chunk
+        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, 0, 0, cand_ptr, at,
+                    False, SLOTS, SUB, BLOCK, SG)
         n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
     return t, n, top, nan
 
@@ -541,7 +596,7 @@ def _sample_kernel(
     out_ptr, C, span,
     TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr,
+    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
     KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
@@ -570,7 +625,7 @@ def _sample_kernel(
                 k_c = tl.full((), KC, tl.int32)
             t_c, n_sel, top, nan = _chunk_candidates(
                 logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
-                ROW_SUM, SLOTS, GROUPS, KC, BLOCK, SUB, DTYPE)
+                ROW_SUM, SLOTS, GROUPS, KC, BLOCK, SUB, SG, DTYPE)
             tl.store(thr_ptr + at, t_c)
             tl.store(cnt_ptr + at, n_sel)
         else:  # temperature only: the race over the whole chunk
@@ -718,7 +773,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub,
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub, SG=gather_steps(warps, slots),
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
@@ -753,7 +808,8 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(chunk_warps(block, key_bits)), block))
+            SUB=min(sub_block(chunk_warps(block, key_bits)), block),
+            SG=gather_steps(chunk_warps(block, key_bits), slots))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block, key_bits)))
