@@ -26,15 +26,16 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 
 
 def configs(B: int):
-    """Step size and warps, tokens per thread of the re-read passes (sub), CTAs per row (the span); the
-    candidate slots follow the shipped heuristic."""
-    ctas_per_row = {1: (16, 32, 64), 8: (8, 16, 32), 32: (8, 16, 32), 256: (2, 3, 4, 6), 512: (1, 2, 3)}
-    for (block, warps), per_thread, ctas in itertools.product(((2048, 4), (4096, 8), (1024, 2)), (2, 4),
-                                                             ctas_per_row.get(B, (1, 2, 4))):
-        span = S.cdiv(S.cdiv(V, ctas), block) * block
-        C = S.cdiv(V, span)
-        yield dict(block=block, warps=warps, span=span, sub=32 * warps * per_thread,
-                   slots=S.slots_for(S.keys_per_chunk(K, block), C, K))
+    """CTAs per row (the span), candidate slots per chunk and steps gathered at once (2048-token steps on
+    4 warps, 4 tokens per thread in the passes that re-read a chunk)."""
+    grid = {1: ((16, 32), (64, 128), (None,)), 8: ((8, 16, 32), (64, 128), (None,)),
+            32: ((8, 16), (64, 128), (None, 16)), 256: ((3, 4, 6), (128,), (8, 16, 32)),
+            512: ((1, 2, 3), (128,), (8, 16))}
+    ctas_list, slots_list, gathers = grid.get(B, ((1, 2, 4), (128,), (None,)))
+    for ctas, slots, gather in itertools.product(ctas_list, slots_list, gathers):
+        span = S.cdiv(S.cdiv(V, ctas), 2048) * 2048
+        cfg = dict(block=2048, warps=4, span=span, sub=512, slots=slots)
+        yield cfg if gather is None else dict(cfg, gather=gather)
 
 
 def main():
@@ -73,7 +74,7 @@ def main():
                 exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             tag = "default" if cfg is default else ""
             out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], span=cfg["span"],
-                           slots=cfg["slots"], sub=cfg["sub"], tag=tag, median_us=round(us, 2), exact=exact,
+                           slots=cfg["slots"], sub=cfg["sub"], gather=cfg.get("gather", ""), tag=tag, median_us=round(us, 2), exact=exact,
                            error=err))
             print(f"B={B:4d} {str(cfg):72s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
                   flush=True)
@@ -84,7 +85,7 @@ def main():
             us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
                                                    rep=100) * 1e3
             exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
-            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, tag="before", median_us=round(us, 2),
+            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, gather="", tag="before", median_us=round(us, 2),
                            exact=exact, error=""))
             print(f"B={B:4d} before {us:8.2f} us {'exact' if exact else 'MISMATCH'}", flush=True)
         if args.profile:

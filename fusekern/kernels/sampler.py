@@ -692,6 +692,7 @@ def sample_triton(
     groups: int | None = None,
     finish_warps: int | None = None,
     sub: int | None = None,
+    gather: int | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
@@ -706,7 +707,7 @@ def sample_triton(
     ``slots``: candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a
     chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
     kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
-    re-read a chunk (a power of two <= block).
+    re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once.
     """
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -747,7 +748,9 @@ def sample_triton(
     groups = groups or groups_for(kc, block)
     warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
     sub = sub or min(sub_block(warps), block)
-    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub)):
+    gather = gather or gather_steps(warps, slots)
+    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub),
+                        ("gather", gather)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"sample: {name} must be a power of two, got {value}")
     if not kc <= groups <= block or sub > block:
@@ -773,7 +776,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub, SG=gather_steps(warps, slots),
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub, SG=gather,
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,

@@ -1,0 +1,844 @@
+"""Fused sampler: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, two launches.
+
+``tokens[b] = argmax_i over kept i of p_i / q_i`` with ``p = softmax(x)``, ``q ~ Exp(1)`` and
+``x = logits[b] / T[b]`` rounded to the logits' dtype (as the graph being replaced computes it). Kept, in
+the order Hugging Face and vLLM apply the filters:
+- top-k: ``x_i >= v_k``, the k-th largest x (ties kept, as ``torch.where(x < pivot, -inf, x)``);
+- top-p: among those, ``mass(x > x_i) < p`` (mass of softmax over the top-k set): what "sort ascending,
+  cumsum, drop where cumsum <= 1 - p" keeps, ties kept together;
+- min-p: ``p_i >= min_p * p_max``, i.e. ``exp(x_i - max x) >= min_p``.
+
+No sort and one read of the row from memory. The row is cut into chunks (spans), one CTA each, read in
+register-sized steps:
+1. Each chunk finds a threshold t_c with ``k_c <= count(key >= t_c) <= SLOTS`` (``k_c = min(k, KC)``):
+   its first pass keeps the largest key per position of a step, carried across steps without a reduction,
+   and takes the k_c-th largest maximum of GROUPS groups of positions (k_c groups hold a key at or above
+   it); a binary search on counts follows only when that guess overflows the slots. A second pass (from
+   L1/L2) writes the tokens with key >= t_c (its candidates: raw key and index, packed), and the chunk
+   stores its largest key and its sum of exp (top-p without top-k). Keys here are of the raw logits:
+   x = logits / T is monotone in them, so no token is divided in this pass.
+   Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
+   holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= KC.
+2. A second launch, one CTA per row, reads the row's candidates and takes the exact
+   top-k pivot, the top-p threshold (pairwise mass over the kept tokens), the min-p bound and
+   the race (Philox uniform per (row, token), Gumbel score ``x - log q``: the normalizer does not change
+   the argmax). Each step is exact when what it keeps lies at or above T, which it checks; a row where it
+   does not hold (ties overflowing a chunk's slots, top-k beyond the slots, top-p / min-p sets reaching
+   below T) takes an exact slow path over the whole row in the same CTA. Both paths draw the same numbers.
+Comparisons use an order-preserving integer key of x (16 bits for bf16/fp16, 32 for fp32).
+
+Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> reference -> custom op.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import cdiv, next_power_of_2
+
+KERNEL_VERSION = "sampler-3"
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
+
+
+# ----------------------------------------------------------------------------- heuristics
+
+
+def chunk_block(B: int, V: int) -> int:
+    """Tokens per step of a chunk's first pass (held in registers; the next step's load is in flight)."""
+    return min(2048, max(16, next_power_of_2(V)))
+
+
+def chunk_warps(block: int, key_bits: int = 16) -> int:
+    """fp32 keys take more registers: 8 warps (4 spilled on Triton 3.9)."""
+    return 4 if block <= 2048 and key_bits == 16 else 8
+
+
+def chunk_span(B: int, V: int, block: int, sms: int) -> int:
+    """Tokens per chunk (one CTA), a multiple of ``block``: about four CTAs per SM over the batch, at most
+    32 chunks a row (H200 sweep, git 6445512: 32 chunks at B = 1, 16 at B = 32, 3-4 at B = 256)."""
+    ctas = max(1, min(cdiv(4 * sms, B), 32, cdiv(V, block)))
+    return cdiv(cdiv(V, ctas), block) * block
+
+
+FINISH_WARPS = 8  # of step 2's CTA: 4 measured no faster at 512 slots and spilled on Triton 3.9
+
+
+def keys_per_chunk(top_k: int | None, block: int) -> int:
+    """KC: how many of its largest keys a chunk delivers at least, k_c = min(k, KC). A power of two >= a
+    scalar top-k (then the chunk holding the row's threshold alone proves the top-k exact), 64 without a
+    known top-k (none, or one per row), at most 256; the rest is proved exact or not per row by step 2."""
+    kc = 64 if top_k is None else next_power_of_2(max(top_k, 16))
+    return int(min(kc, 256, block))
+
+
+def slots_for(kc: int, chunks: int, top_k: int | None = None) -> int:
+    """Candidate slots per chunk: the first guess of the threshold lands at ~1.1 k_c on random rows; twice KC
+    leaves room for ties (bf16 logits tie often near the top) before the chunk has to search. With 16 or
+    more chunks a row, step 2 holds chunks * slots candidates and its time dominates: KC slots, when a
+    scalar top-k leaves them a quarter of k for ties (without one, k_c = KC would have to fit exactly)."""
+    if chunks >= 16 and top_k is not None and top_k + top_k // 4 <= kc:
+        return kc
+    return 2 * kc
+
+
+def groups_for(kc: int, block: int) -> int:
+    """Groups whose maxima give the first threshold guess: four per wanted key."""
+    return min(4 * kc, block)
+
+
+def sub_block(warps: int) -> int:
+    """Tokens per step of the loops that re-read a chunk (writing candidates, the race without filters):
+    16 per thread."""
+    return 512 * warps
+
+
+def kept_block(kc: int) -> int:
+    """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
+    return min(max(kc, 16), 128)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _key_of(x, DTYPE: tl.constexpr):
+    """Order-preserving int32 key of x (already rounded to DTYPE; -0 made +0 so equal floats get equal
+    keys, as torch compares -0 == +0): [0, 65536) for 16-bit floats, signed for fp32."""
+    x = tl.where(x == 0.0, 0.0, x)
+    if DTYPE == tl.float32:
+        bits = x.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    else:
+        key = _key_of_bits16(x.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32))
+    return key
+
+
+@triton.jit
+def _key_of_bits16(b):
+    """The key of a 16-bit float from its sign-extended bits b: b + 2**15 for b >= 0, -1 - b below (the
+    bits' order reversed), and -0 the key of +0."""
+    return tl.where(b >= 0, b + 32768, tl.where(b == -32768, 32768, -1 - b))
+
+
+@triton.jit
+def _x_of_key(key, DTYPE: tl.constexpr):
+    """The float whose key is ``key`` (inverse of _key_of)."""
+    if DTYPE == tl.float32:
+        x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    else:
+        bits = tl.where(key >= 0x8000, key & 0x7FFF, key ^ 0xFFFF)
+        x = bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_raw(logits_ptr, row, stride_row, offs, mask):
+    """A block of one row's logits, as fp32 (exact for every logits dtype)."""
+    return tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scaled(logits_ptr, row, offs, mask, stride_row, temperature):
+    """x = logits / T rounded to the logits' dtype (as fp32) and its key."""
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    x = _scale(_load_raw(logits_ptr, row, stride_row, offs, mask), temperature, DTYPE)
+    return x, _key_of(x, DTYPE)
+
+
+@triton.jit
+def _row_param(ptr, scalar, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    """A per-row parameter: from a tensor (stride 0: one value for every row) or the scalar argument."""
+    if PER_ROW:
+        return tl.load(ptr + row * stride).to(DTYPE)
+    return tl.full((), 0, DTYPE) + scalar
+
+
+@triton.jit
+def _radix_digit(h, prefix, rank):
+    """One radix-select step: from the 256-bin histogram h of the next key byte (keys matching prefix),
+    the byte of the rank-th largest key; returns (prefix with that byte, rank within it)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.cumsum(h, axis=0, reverse=True)  # keys with this byte >= bin
+    digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+    return prefix * 256 + digit, rank - tl.sum(tl.where(bins > digit, h, 0), axis=0)
+
+
+@triton.jit
+def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
+    """The k-th largest of the valid keys (1 <= k <= their count), by radix select in registers: one
+    256-bin histogram per key byte (tl.sort of 4096 keys in one CTA measured ~90 us on the H200)."""
+    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
+    prefix = tl.zeros((), dtype=tl.int64)
+    rank = k
+    for p in tl.static_range(KEY_BITS // 8):
+        shift = KEY_BITS - 8 * (p + 1)
+        sel = valid & ((ukey >> (shift + 8)) == prefix)
+        h = tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
+        prefix, rank = _radix_digit(h, prefix, rank)
+    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32)
+
+
+@triton.jit
+def _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE: tl.constexpr):
+    """log(p / q) up to a per-row constant, q ~ Exp(1) drawn per (row, token): the exponential race."""
+    if HAS_NOISE:  # test mode: the caller's exponential draws q [B, V]
+        q = tl.load(noise_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=1.0)
+    else:
+        q = -tl.log(tl.rand(seed, row.to(tl.int64) * V + offs))
+    return x - tl.log(q)
+
+
+@triton.jit
+def _pack(score, offs):
+    """(score, index) as one int64 whose max is the best score, then the smallest index (argmax's rule)."""
+    bits = score.to(tl.int32, bitcast=True)
+    skey = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2**31  # order-preserving, in [0, 2**32)
+    return ((skey >> 1) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
+
+
+@triton.jit
+def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
+    """The smallest key t in (lo, hi] with mass(key > t) < pz (mass: sum of exp(x - m) over kept), by
+    binary search; mass(key > hi) must be < pz and mass(key > lo) >= pz."""
+    e = tl.where(kept, tl.exp(x - m), 0.0)
+    k64 = key.to(tl.int64)
+    lo = tl.maximum(lo, -1 if KEY_BITS == 16 else MIN_KEY - 1)  # 16-bit keys start at 0: 17 steps suffice
+    for _ in tl.static_range(KEY_BITS + 1):
+        mid = (lo + hi) >> 1  # floor: lo < mid < hi while hi - lo > 1
+        above = tl.sum(tl.where(k64 > mid, e, 0.0), axis=0)
+        go_down = above < pz
+        hi = tl.where(go_down & (mid > lo), mid, hi)
+        lo = tl.where(go_down, lo, mid)
+    return hi
+
+
+@triton.jit
+def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
+                     HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+                     PAIRWISE: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Top-p and min-p over the kept candidates, then the race; returns (best packed score, exact).
+
+    ``restricted``: the kept set is already the top-k set (top-p's softmax is over it). Otherwise
+    (no top-k) kept holds every token at or above T, and the result is exact only where what the
+    filters keep provably lies there. Top-p's mass above each token: pairwise over a small block (one
+    2-D reduction), or a binary search over keys for a large one.
+    """
+    if HAS_TOP_P:
+        if top_p < 1.0:
+            e = tl.where(kept, tl.exp(x - m), 0.0)
+            mass = tl.sum(e, axis=0)  # of the top-k set, or of every token at or above T
+            z = tl.where(restricted, mass, z_row)
+            # without top-k, tokens below T have at least this mass above them: they are cut if >= p z
+            exact &= restricted | (T == MIN_KEY) | (mass >= top_p * z)
+            if PAIRWISE:
+                above = tl.sum(tl.where(key[None, :] > key[:, None], e[None, :], 0.0), axis=1)
+                kept &= (above < top_p * z) | (above == 0.0)  # the top group stays, even for p = 0
+            else:
+                lo = tl.min(tl.where(kept, key, 2**31 - 1), axis=0).to(tl.int64) - 1
+                top = tl.max(tl.where(kept, key, MIN_KEY), axis=0).to(tl.int64)
+                kept &= key.to(tl.int64) >= _top_p_key(key, x, kept, m, top_p * z, lo, top, KEY_BITS)
+            restricted = tl.full((), 1, tl.int1)
+    if HAS_MIN_P:
+        kept &= tl.exp(x - m) >= min_p
+        # unless restricted already, every token below T must have exp(x - m) < min_p
+        exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
+        restricted = tl.full((), 1, tl.int1)
+    exact &= restricted | (T == MIN_KEY)  # no filter active for this row: every token races
+    score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)
+    return tl.max(tl.where(kept, _pack(score, idx), -1), axis=0), exact
+
+
+@triton.jit
+def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Slow path, exact over the whole row (passes over it from L2): top-k pivot by radix select, the max
+    and the sum of exp over the top-k set, the top-p key by binary search, then the race."""
+    pivot = tl.full((), MIN_KEY, tl.int64)
+    if HAS_TOP_K:
+        if k < V:
+            prefix = tl.zeros((), dtype=tl.int64)
+            rank = k
+            for p in tl.static_range(KEY_BITS // 8):
+                shift = KEY_BITS - 8 * (p + 1)
+                h = tl.zeros((256,), dtype=tl.int32)
+                for off in range(0, V, BLOCK):
+                    offs = off + tl.arange(0, BLOCK)
+                    _, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)
+                    sel = (offs < V) & ((ukey >> (shift + 8)) == prefix)
+                    h += tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
+                prefix, rank = _radix_digit(h, prefix, rank)
+            pivot = prefix - (2**31 if KEY_BITS == 32 else 0)
+    m = tl.full((), float("-inf"), tl.float32)
+    top = tl.full((), MIN_KEY, tl.int64)
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+        m = tl.maximum(m, tl.max(tl.where(offs < V, x, float("-inf")), axis=0))
+        top = tl.maximum(top, tl.max(tl.where(offs < V, key.to(tl.int64), MIN_KEY), axis=0))
+    t_p = pivot
+    if HAS_TOP_P:
+        if top_p < 1.0:
+            z = tl.zeros((), tl.float32)
+            for off in range(0, V, BLOCK):
+                offs = off + tl.arange(0, BLOCK)
+                x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                z += tl.sum(tl.where((offs < V) & (key.to(tl.int64) >= pivot), tl.exp(x - m), 0.0), axis=0)
+            lo = tl.maximum(pivot - 1, -1 if KEY_BITS == 16 else MIN_KEY - 1)  # 16-bit keys start at 0
+            hi = top
+            # A runtime loop: unrolled (33 steps for fp32 keys) ptxas spilled 140 bytes in the fp32 finish.
+            for _ in range(KEY_BITS + 1):
+                mid = (lo + hi) >> 1
+                above = tl.zeros((), tl.float32)
+                for off in range(0, V, BLOCK):
+                    offs = off + tl.arange(0, BLOCK)
+                    x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                    k64 = key.to(tl.int64)
+                    above += tl.sum(tl.where((offs < V) & (k64 >= pivot) & (k64 > mid), tl.exp(x - m), 0.0), axis=0)
+                go_down = above < top_p * z
+                hi = tl.where(go_down & (mid > lo), mid, hi)
+                lo = tl.where(go_down, lo, mid)
+            t_p = tl.maximum(hi, pivot)
+    best = tl.full((), -1, dtype=tl.int64)
+    for off in range(0, V, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+        kept = (offs < V) & (key.to(tl.int64) >= t_p)
+        if HAS_MIN_P:
+            kept &= tl.exp(x - m) >= min_p
+        score = _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE)
+        best = tl.maximum(best, tl.max(tl.where(kept, _pack(score, offs), -1), axis=0))
+    return best, m
+
+
+@triton.jit
+def _load_keys(logits_ptr, row, stride_row, offs, mask):
+    """Keys of a block of one row's raw logits, the key of -inf where masked (no select needed: -inf is
+    below every other key but NaN's). 16-bit floats go straight from their bits (no float round trip)."""
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    v = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
+    if DTYPE == tl.float32:
+        key = _key_of(v, DTYPE)
+    else:
+        key = _key_of_bits16(v.to(tl.int16, bitcast=True).to(tl.int32))
+    return key
+
+
+@triton.jit
+def _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS: tl.constexpr,
+                      SUB: tl.constexpr):
+    """Writes the chunk's tokens with key >= t that fit its SLOTS (packed key << 32 | token, in token
+    order) and returns how many there are (more than SLOTS: the chunk overflowed). Re-reads the chunk
+    from L1/L2 in SUB-token steps, the next step's load in flight: few registers, and the slot of each
+    token is a cumsum within one step."""
+    n = tl.zeros((), tl.int32)
+    offs = start + tl.arange(0, SUB)
+    key_next = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
+    for off in range(start, end, SUB):
+        key = key_next
+        sel = (offs < end) & (key >= t)
+        offs_next = offs + SUB
+        key_next = _load_keys(logits_ptr, row, stride_row, offs_next, offs_next < end)
+        slot = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)  # tokens are < 2**30: the low word is the token
+        tl.store(cand_ptr + at.to(tl.int64) * SLOTS + slot, packed, mask=sel & (slot < SLOTS))
+        n += tl.sum(sel.to(tl.int32), axis=0)
+        offs = offs_next
+    return n
+
+
+@triton.jit
+def _narrow(logits_ptr, row, stride_row, start, end, lo, hi, k, SLOTS: tl.constexpr, SUB: tl.constexpr):
+    """A key t in [lo, hi) with k <= count(key >= t) <= SLOTS where one exists (else the largest t with
+    count >= k), by a binary search on counts over the chunk (re-read per step) that stops as soon as the
+    count fits. Needs count(key >= lo) >= k and count(key >= hi) < k. The rare path of a chunk whose
+    first guess overflowed (clustered or tied keys)."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    done = tl.zeros((), tl.int1)
+    while (done == 0) & (hi - lo > 1):
+        mid = (lo + hi) >> 1
+        c = tl.zeros((), tl.int32)
+        for off in range(start, end, SUB):
+            offs = off + tl.arange(0, SUB)
+            key = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
+            c += tl.sum(((offs < end) & (key >= mid)).to(tl.int32), axis=0)
+        lo = tl.where(c >= k, mid, lo)
+        hi = tl.where(c >= k, hi, mid)
+        done = (c >= k) & (c <= SLOTS)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
+                      ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr, KC: tl.constexpr,
+                      BLOCK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """Step 1 for one chunk: writes its candidates, the tokens with key >= t_c, and returns (t_c, their
+    count, largest key, NaN flag), t_c with k_c <= count(key >= t_c) <= SLOTS where one exists
+    (k_c <= KC <= GROUPS).
+
+    First guess, no search: cut the chunk into GROUPS groups (any partition will do: here a group is a
+    run of positions of the step, over every step) and take the k_c-th largest group maximum. k_c groups
+    hold a key at or above it, so count >= k_c (masked lanes read -inf: in a chunk with fewer than k_c
+    groups of tokens the guess is the key of -inf, every token); with several groups per wanted key it is
+    ~1.1 k_c on random rows. Only a guess that overflows the slots (clustered or tied keys) is narrowed by
+    a binary search on counts."""
+    # Per position of the step, carried across steps without any reduction (no barrier per step): the
+    # largest and the smallest key (a NaN's key lies beyond the infinities' keys, by its sign).
+    kmax = tl.full((BLOCK,), MIN_KEY, tl.int32)
+    kmin = tl.full((BLOCK,), 2**31 - 1, tl.int32)
+    m_run = tl.full((), float("-inf"), tl.float32)
+    s_run = tl.zeros((), tl.float32)
+    # BLOCK tokens per step, the next step's load issued before this step's work (two steps in flight)
+    offs = start + tl.arange(0, BLOCK)
+    key_next = _load_keys(logits_ptr, row, stride_row, offs, offs < end)
+    for off in range(start, end, BLOCK):
+        key = key_next
+        offs_next = offs + BLOCK
+        key_next = _load_keys(logits_ptr, row, stride_row, offs_next, offs_next < end)
+        kmax = tl.maximum(kmax, key)
+        kmin = tl.minimum(kmin, key)
+        if ROW_SUM:  # top-p over the whole row (no top-k): this chunk's max and sum of exp, online
+            x = _scale(_x_of_key(key, DTYPE), temperature, DTYPE)  # -inf where masked
+            m_new = tl.maximum(m_run, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: the sum stays 0
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m_run = m_new
+        offs = offs_next
+    if ROW_SUM:
+        tl.store(max_ptr + at, m_run)
+        tl.store(sum_ptr + at, s_run)
+    inf = tl.full((), float("inf"), tl.float32)
+    nan = ((tl.max(kmax, axis=0) > _key_of(inf, DTYPE)) | (tl.min(kmin, axis=0) < _key_of(-inf, DTYPE))).to(tl.int32)
+    gmax = tl.max(tl.reshape(kmax, (GROUPS, BLOCK // GROUPS)), axis=1)
+    top = tl.max(gmax, axis=0)
+    best = tl.topk(gmax, KC)  # descending
+    t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
+    n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
+    if n > SLOTS:
+        t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, SLOTS, SUB)
+        n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
+    return t, n, top, nan
+
+
+@triton.jit
+def _unpack_key(packed):
+    return (packed >> 32).to(tl.int32)
+
+
+@triton.jit
+def _unpack_token(packed):
+    return (packed & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _scale(raw, temperature, DTYPE: tl.constexpr):
+    """x = raw / T rounded to the logits' dtype (IEEE division, as torch divides), as fp32."""
+    return tl.div_rn(raw.to(tl.float32), temperature).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+            thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
+            HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+            ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
+            ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Step 2 for one row: from its chunks' candidates (raw-logit keys) to the sampled token."""
+    FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
+    cc = tl.arange(0, C_BLOCK)
+    here = cc < C
+    chunks = row.to(tl.int64) * C + cc
+    bad = tl.max(tl.load(bad_ptr + chunks, mask=here, other=0, cache_modifier=".cg"), axis=0) != 0
+    raw_top = tl.max(tl.load(rmax_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
+    m = _scale(_x_of_key(raw_top, DTYPE), temperature, DTYPE)  # x is monotone in the raw logit
+    bad |= m == float("inf")  # +inf logits, or a division that overflows, as the original computes
+    if FILTERED:
+        cnt = tl.load(cnt_ptr + chunks, mask=here, other=0, cache_modifier=".cg")
+        raw_t = tl.max(tl.load(thr_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
+        exact = tl.max(cnt, axis=0) <= SLOTS  # no chunk overflowed its slots
+        # Every token with raw key >= raw_t is a candidate. In x's keys: every token whose x key is >= T,
+        # T = 1 + the key of x just below raw_t (x rounds: several raw logits can share one x).
+        # At or below the key of -inf (a chunk with fewer groups than k_c holding a finite key) every
+        # token is a candidate: raw_t - 1 would be a NaN's key, and a NaN's sign does not survive the
+        # division on the GPU.
+        lowest = _key_of(tl.full((), float("-inf"), tl.float32), DTYPE)
+        below = _scale(_x_of_key(tl.maximum(raw_t - 1, lowest), DTYPE), temperature, DTYPE)
+        T = tl.where(raw_t > lowest, _key_of(below, DTYPE) + 1, MIN_KEY)
+        j = tl.arange(0, C_BLOCK * SLOTS)
+        n_j = tl.load(cnt_ptr + row.to(tl.int64) * C + j // SLOTS, mask=j // SLOTS < C, other=0,
+                      cache_modifier=".cg")
+        valid = (j // SLOTS < C) & (j % SLOTS < n_j)
+        cj = row.to(tl.int64) * C * SLOTS + j
+        # every slot of the row is read at once, not after the counts (a dependent load less); slots past
+        # a chunk's count hold stale values, dropped by valid
+        cand = tl.load(cand_ptr + cj, mask=j // SLOTS < C, other=0, cache_modifier=".cg")
+        craw = tl.where(valid, _unpack_key(cand), MIN_KEY)
+        cidx = tl.where(valid, _unpack_token(cand), 0)  # a stale token would address noise out of bounds
+        cx = tl.where(valid, _scale(_x_of_key(craw, DTYPE), temperature, DTYPE), float("-inf"))
+        ckey = tl.where(valid, _key_of(cx, DTYPE), MIN_KEY)
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        # top-k: exact when the k-th largest candidate is >= T (then it is the row's k-th largest)
+        pivot = tl.full((), MIN_KEY, tl.int32)
+        restricted = tl.full((), 0, tl.int1)  # the kept set is known to lie at or above T
+        if HAS_TOP_K:
+            if k < V:
+                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)
+                exact &= (k <= n_valid) & (pivot >= T)
+                restricted = tl.full((), 1, tl.int1)
+        # kept so far: the top-k set, or (no top-k) every token at or above T, all candidates
+        kept = valid & (ckey >= tl.maximum(pivot, T))
+        n_kept = tl.sum(kept.to(tl.int32), axis=0)
+        z_row = 0.0
+        if ROW_SUM:  # softmax's normalizer over the whole row, from the chunks' sums
+            m_cs = tl.load(max_ptr + chunks, mask=here, other=float("-inf"), cache_modifier=".cg")
+            s_cs = tl.load(sum_ptr + chunks, mask=here, other=0.0, cache_modifier=".cg")
+            z_row = tl.sum(tl.where(m_cs > float("-inf"), s_cs * tl.exp(m_cs - m), 0.0), axis=0)
+        if n_kept <= KEPT_BLOCK:  # usual case: move the kept tokens into a small block
+            kslot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            own = row.to(tl.int64) * C * SLOTS + kslot  # the row's own slots: read already
+            tl.debug_barrier()
+            tl.store(cand_ptr + own, cand, mask=kept)
+            tl.debug_barrier()
+            i = tl.arange(0, KEPT_BLOCK)
+            small = i < n_kept
+            at_i = row.to(tl.int64) * C * SLOTS + i
+            kept_cand = tl.load(cand_ptr + at_i, mask=small, other=0, cache_modifier=".cg")
+            kraw = tl.where(small, _unpack_key(kept_cand), MIN_KEY)
+            kidx = _unpack_token(kept_cand)
+            kx = tl.where(small, _scale(_x_of_key(kraw, DTYPE), temperature, DTYPE), float("-inf"))
+            kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
+            best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
+                                           seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, True,
+                                           KEY_BITS, DTYPE)
+        else:
+            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
+                                           seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
+                                           KEY_BITS, DTYPE)
+        if not exact:
+            best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
+                                  noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
+    else:
+        best = tl.max(tl.load(best_ptr + chunks, mask=here, other=-1, cache_modifier=".cg"), axis=0)
+    # NaN or +inf anywhere, or no finite logit: the original softmax is all NaN, its argmax token 0.
+    token = tl.where(bad | (m == float("-inf")), 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+    tl.store(out_ptr + row, token)
+
+
+@triton.jit(do_not_specialize=["top_k"])  # a new top-k value must not compile a new variant
+def _sample_kernel(
+    logits_ptr, V, stride_row,
+    temp_ptr, temperature, stride_t, topk_ptr, top_k, stride_k,
+    topp_ptr, top_p, stride_p, minp_ptr, min_p, stride_m,
+    seed_ptr, noise_ptr,
+    thr_ptr, cnt_ptr, rmax_ptr, bad_ptr, max_ptr, sum_ptr, best_ptr,  # per chunk [B, C]
+    cand_ptr,  # per chunk slot [B, C, SLOTS]: key << 32 | token
+    out_ptr, C, span,
+    TEMP_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr, M_PER_ROW: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
+    ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr,
+    BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
+    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
+):
+    """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
+    CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
+    faster on the H200 than a second launch and needed more registers: 24.8 against 25.3 us at B = 1.)"""
+    row = tl.program_id(0)
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
+    temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
+    k = tl.minimum(tl.maximum(_row_param(topk_ptr, top_k, stride_k, row, K_PER_ROW, tl.int32), 1), V)
+    top_p = _row_param(topp_ptr, top_p, stride_p, row, P_PER_ROW, tl.float32)
+    min_p = _row_param(minp_ptr, min_p, stride_m, row, M_PER_ROW, tl.float32)
+    FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
+    seed = tl.load(seed_ptr)
+    if not FINISH:
+        # ---- 1. this chunk, on raw-logit keys (x = logits / T is monotone in them: no division per
+        # token): its candidates (the tokens with key >= its k_c-th largest), max key, NaN flag
+        chunk = tl.program_id(1)
+        at = row * C + chunk
+        start = chunk * span
+        end = tl.minimum(start + span, V)
+        if FILTERED:
+            if HAS_TOP_K:
+                k_c = tl.minimum(k, KC)
+            else:
+                k_c = tl.full((), KC, tl.int32)
+            t_c, n_sel, top, nan = _chunk_candidates(
+                logits_ptr, row, stride_row, start, end, at, k_c, temperature, cand_ptr, max_ptr, sum_ptr,
+                ROW_SUM, SLOTS, GROUPS, KC, BLOCK, SUB, DTYPE)
+            tl.store(thr_ptr + at, t_c)
+            tl.store(cnt_ptr + at, n_sel)
+        else:  # temperature only: the race over the whole chunk
+            top = tl.full((), MIN_KEY, tl.int32)
+            nan = tl.zeros((), tl.int32)
+            win = tl.full((), -1, tl.int64)
+            for off in range(start, end, SUB):
+                offs = off + tl.arange(0, SUB)
+                mask = offs < end
+                raw = _load_raw(logits_ptr, row, stride_row, offs, mask)
+                top = tl.maximum(top, tl.max(tl.where(mask, _key_of(raw, DTYPE), MIN_KEY), axis=0))
+                nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), axis=0))
+                score = _gumbel_score(_scale(raw, temperature, DTYPE), seed, row, offs, V, noise_ptr, HAS_NOISE)
+                win = tl.maximum(win, tl.max(tl.where(mask, _pack(score, offs), -1), axis=0))
+            tl.store(best_ptr + at, win)
+        tl.store(bad_ptr + at, nan)
+        tl.store(rmax_ptr + at, top)
+    else:  # ---- 2. the row, from its chunks' candidates
+        _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
+                thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
+                out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
+                KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+def _row_arg(value, B: int, device, what: str, cast):
+    """(tensor, stride, scalar) for a kernel parameter given as a number or a tensor of 1 or B values.
+
+    A number, or one value in a CPU tensor (a tensorified Python scalar), becomes the scalar argument:
+    no device copy, no recompile when it changes. Otherwise the tensor is read with stride 0 or 1.
+    """
+    if not isinstance(value, torch.Tensor):
+        return None, 0, cast(value)
+    if value.numel() not in (1, B):
+        raise ValueError(f"sample: {what} must be a number or hold 1 or B={B} values, got shape {tuple(value.shape)}")
+    if value.numel() == 1 and value.device.type == "cpu" and device.type != "cpu":
+        return None, 0, cast(value.item())
+    if value.device != device:
+        raise ValueError(f"sample: {what} is on {value.device}, logits on {device}")
+    flat = value.reshape(-1)
+    return flat, (flat.stride(0) if flat.numel() > 1 else 0), cast(1)
+
+
+def _clamp_k(k) -> int:
+    return int(min(max(k, 1), 2**31 - 1))
+
+
+def sample_triton(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    *,
+    seed: torch.Tensor,
+    noise: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block: int | None = None,
+    slots: int | None = None,
+    warps: int | None = None,
+    span: int | None = None,
+    kc: int | None = None,
+    groups: int | None = None,
+    finish_warps: int | None = None,
+) -> torch.Tensor:
+    """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
+
+    ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None or >= 1:
+    none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
+    arguments: changing them neither recompiles nor launches a fill). ``seed``: an int64 tensor of one
+    element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
+    advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
+    ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
+    compared exactly with the reference given the same draws. Tuning knobs (defaults from the heuristics
+    above): ``block``: tokens per step of a chunk; ``span``: tokens per chunk (a multiple of ``block``);
+    ``slots``: candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a
+    chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
+    kc <= groups <= block); ``finish_warps``: of step 2's CTA.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"sample: logits must be bf16/fp16/fp32, got {logits.dtype}")
+    if seed.numel() != 1 or seed.dtype != torch.int64:
+        raise ValueError(f"sample: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
+    B, V = logits.shape
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    elif out.shape != (B,) or out.dtype != torch.int64:
+        raise ValueError(f"sample: out must be int64 ({B},), got {out.dtype} {tuple(out.shape)}")
+    if B == 0:
+        return out
+    if V == 0:
+        raise ValueError("sample: cannot sample from an empty vocabulary (V == 0)")
+    if V >= 2**31 // 2:
+        raise ValueError(f"sample: V = {V} is too large for 32-bit token offsets")
+    if noise is not None and (noise.shape != (B, V) or noise.dtype != torch.float32 or not noise.is_contiguous()):
+        raise ValueError(f"sample: noise must be contiguous float32 {(B, V)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    temp, stride_t, t_scalar = _row_arg(temperature, B, dev, "temperature", float)
+    has_k = top_k is not None and (isinstance(top_k, torch.Tensor) or top_k < V)
+    has_p = top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0)
+    has_m = min_p is not None and (isinstance(min_p, torch.Tensor) or min_p > 0.0)
+    topk, stride_k, k_scalar = _row_arg(top_k if has_k else V, B, dev, "top_k", _clamp_k)
+    topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
+    minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
+    block = block or chunk_block(B, V)
+    span = span or chunk_span(B, V, block, sm_count(dev))
+    if span <= 0 or span % block:
+        raise ValueError(f"sample: span {span} must be a multiple of block {block}")
+    scalar_k = k_scalar if has_k and topk is None else None
+    kc = kc or keys_per_chunk(scalar_k, block)
+    slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
+    groups = groups or groups_for(kc, block)
+    for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"sample: {name} must be a power of two, got {value}")
+    if not kc <= groups <= block:
+        raise ValueError(f"sample: need kc <= groups <= block, got {kc}, {groups}, {block}")
+    warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
+    C = cdiv(V, span)
+    i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
+    f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
+    best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
+    n_cand = B * C * slots if (has_k or has_p or has_m) else 1
+    cand = torch.empty(n_cand, dtype=torch.int64, device=dev)  # raw key << 32 | token per candidate slot
+    args = (
+        logits, V, logits.stride(0),
+        temp if temp is not None else f32, t_scalar, stride_t,
+        topk if topk is not None else i32, k_scalar, stride_k,
+        topp if topp is not None else f32, p_scalar, stride_p,
+        minp if minp is not None else f32, m_scalar, stride_m,
+        seed, noise if noise is not None else f32,
+        i32[0], i32[1], i32[2], i32[3], f32[0], f32[1], best, cand,
+        out, C, span,
+    )
+    meta = dict(
+        TEMP_PER_ROW=temp is not None, K_PER_ROW=topk is not None, P_PER_ROW=topp is not None,
+        M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
+        HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
+        KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
+        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=min(sub_block(warps), block),
+    )
+    _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
+    _sample_kernel[(B,)](*args, FINISH=True, **meta,
+                         num_warps=finish_warps or FINISH_WARPS)
+    return out
+
+
+# ----------------------------------------------------------------------------- builds for the report
+
+
+def aot_builds():
+    """The sampler's two launches at V = 128256, top-k 50 + top-p 0.9, scalar temperature: B = 1 (bf16 and
+    fp32) and B = 256. Its loops carry only scalars across iterations: no rematerialization modes."""
+    from fusekern.kernels.catalog import TritonBuild
+
+    V, k = 128256, 50
+    builds = []
+    for B, dtype, key_bits in ((1, "bf16", 16), (1, "fp32", 32), (256, "bf16", 16)):
+        block = chunk_block(B, V)
+        span = chunk_span(B, V, block, 132)
+        kc = keys_per_chunk(k, block)
+        C = cdiv(V, span)
+        slots = slots_for(kc, C, k)
+        args = dict(
+            logits_ptr=f"*{dtype}", V=V, stride_row=V,
+            temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
+            topp_ptr="*fp32", top_p=0.9, stride_p=0, minp_ptr="*fp32", min_p=0.0, stride_m=0,
+            seed_ptr="*i64", noise_ptr="*fp32", thr_ptr="*i32", cnt_ptr="*i32", rmax_ptr="*i32", bad_ptr="*i32",
+            max_ptr="*fp32", sum_ptr="*fp32", best_ptr="*i64", cand_ptr="*i64", out_ptr="*i64", C=C, span=span)
+        constexprs = dict(
+            TEMP_PER_ROW=False, K_PER_ROW=False, P_PER_ROW=False, M_PER_ROW=False, HAS_TOP_K=True, HAS_TOP_P=True,
+            HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
+            GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
+            ROW_BLOCK=2048, KEY_BITS=key_bits,
+            SUB=min(sub_block(chunk_warps(block, key_bits)), block))
+        config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
+        builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
+                                  num_warps=chunk_warps(block, key_bits)))
+        builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
+                                  num_warps=FINISH_WARPS))
+    return builds
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _per_row(value, B, default, dtype):
+    if value is None:
+        value = default
+    t = value if isinstance(value, torch.Tensor) else torch.tensor([value])
+    return t.reshape(-1).cpu().to(dtype).expand(B)
+
+
+def kept_mask(x: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Which tokens of x [B, V] (float64) the filters keep, by their definition (module docstring):
+    top-k with ties, then top-p as mass(x > x_i) < p over the top-k softmax, then min-p."""
+    B, V = x.shape
+    k = _per_row(top_k, B, V, torch.int64).clamp(1, V)
+    p = _per_row(top_p, B, 1.0, torch.float64)
+    mp = _per_row(min_p, B, 0.0, torch.float64)
+    kept = torch.ones_like(x, dtype=torch.bool)
+    for b in range(B):
+        row = x[b]
+        if k[b] < V:
+            kept[b] &= row >= row.topk(int(k[b])).values[-1]
+        m = row.max()
+        e = torch.where(kept[b], torch.exp(row - m), 0.0)
+        if p[b] < 1:  # mass_gt[i] = sum of e[j] over x[j] > x[i]: the mass before i's tie group, sorted
+            xs, order = row.sort(descending=True)
+            es = e[order]
+            first = torch.searchsorted(-xs, -xs, side="left")
+            mass_gt = torch.empty_like(row).scatter_(0, order, (es.cumsum(0) - es)[first])
+            kept[b] &= (mass_gt < p[b] * e.sum()) | (mass_gt == 0)  # the top group stays, even for p = 0
+        if mp[b] > 0:
+            kept[b] &= torch.exp(row - m) >= mp[b]
+    return kept
+
+
+def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, q: torch.Tensor):
+    """The sampler in float64 with given exponential noise ``q`` [B, V] (the race's draws).
+
+    x is rounded to the logits' dtype after the division, as the original graph does; a row containing
+    NaN or +inf, or no finite logit, gives token 0 (the original's softmax is all NaN there, and argmax
+    returns the first NaN).
+    """
+    B, V = logits.shape
+    temp = temperature if isinstance(temperature, torch.Tensor) else torch.tensor([temperature])
+    temp = temp.reshape(-1, 1).to(torch.float32).cpu()  # [1, 1] or [B, 1]
+    x = (logits.cpu().float() / temp).to(logits.dtype).double()
+    bad = (torch.isnan(x) | (x == float("inf"))).any(-1) | (x == float("-inf")).all(-1)
+    xs = torch.where(torch.isnan(x), 0.0, x).clamp(max=1e300)
+    kept = kept_mask(xs, top_k, top_p, min_p)
+    probs = torch.softmax(torch.where(kept, xs, float("-inf")), dim=-1)
+    tokens = torch.argmax(probs / q.cpu().double(), dim=-1)
+    return torch.where(bad, 0, tokens)
+
+
+def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed: torch.Tensor):
+    """The same sampler in plain PyTorch (fp32), noise from a generator seeded by ``seed``: the CPU path."""
+    B, V = logits.shape
+    g = torch.Generator(device=logits.device).manual_seed(int(seed.reshape(-1)[0]))
+    q = torch.empty((B, V), dtype=torch.float32, device=logits.device).exponential_(1, generator=g)
+    temp = temperature.reshape(-1, 1).float() if isinstance(temperature, torch.Tensor) else float(temperature)
+    x = (logits.float() / temp).to(logits.dtype).float()
+    bad = (torch.isnan(x) | (x == float("inf"))).any(-1, keepdim=True) | (x == float("-inf")).all(-1, keepdim=True)
+    x = torch.where(bad, 0.0, x)
+    xs, order = x.sort(dim=-1, descending=True)
+    kept_s = torch.ones_like(xs, dtype=torch.bool)
+    if top_k is not None:
+        k = _per_row(top_k, B, V, torch.int64).clamp(1, V).to(x.device).reshape(B, 1)
+        kept_s &= xs >= xs.gather(-1, k - 1)
+    m = xs[:, :1]
+    e = torch.where(kept_s, torch.exp(xs - m), 0.0)
+    if top_p is not None:
+        p = _per_row(top_p, B, 1.0, torch.float32).to(x.device).reshape(B, 1)
+        before = e.cumsum(-1) - e  # mass of the tokens sorted before each one
+        first = torch.searchsorted(-xs, -xs, side="left")  # ties: the mass strictly greater
+        above = before.gather(-1, first)
+        kept_s &= (above < p * e.sum(-1, keepdim=True)) | (above == 0) | (p >= 1)
+    if min_p is not None:
+        mp = _per_row(min_p, B, 0.0, torch.float32).to(x.device).reshape(B, 1)
+        kept_s &= torch.exp(xs - m) >= mp
+    kept = torch.empty_like(kept_s).scatter_(-1, order, kept_s)
+    score = torch.where(kept, x, float("-inf")) - torch.log(q)
+    return torch.where(bad.squeeze(-1), 0, torch.argmax(score, dim=-1))
+
+
