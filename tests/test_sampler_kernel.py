@@ -255,11 +255,12 @@ def test_strided_rows():
 def test_size_heuristics():
     V = 128256
     assert S.chunk_block(1, V) == 2048 and S.chunk_block(4, 300) == 512  # never more than the vocabulary needs
-    # about four CTAs per SM over the batch, at most 32 chunks a row, spans in whole steps
-    assert triton.cdiv(V, S.chunk_span(1, V, 2048, 132)) == 32
-    assert triton.cdiv(V, S.chunk_span(32, V, 2048, 132)) == 16
-    assert triton.cdiv(V, S.chunk_span(256, V, 2048, 132)) == 3
-    assert S.chunk_span(1024, V, 2048, 132) >= V  # a batch that fills the GPU: one CTA reads a whole row
+    # about two CTAs per SM over the batch, 4 to 16 chunks a row, spans in whole steps
+    assert triton.cdiv(V, S.chunk_span(1, V, 2048, 132)) == 16
+    assert triton.cdiv(V, S.chunk_span(8, V, 2048, 132)) == 16
+    assert triton.cdiv(V, S.chunk_span(32, V, 2048, 132)) == 8
+    assert triton.cdiv(V, S.chunk_span(256, V, 2048, 132)) == 4
+    assert triton.cdiv(V, S.chunk_span(1024, V, 2048, 132)) == 4
     assert S.chunk_span(5, 300, 128, 132) == 128
     assert S.keys_per_chunk(50, 2048) == 64 and S.keys_per_chunk(1, 2048) == 16 and S.keys_per_chunk(None, 2048) == 64
     assert S.keys_per_chunk(5000, 2048) == 256 and S.keys_per_chunk(50, 32) == 32  # never more than a step

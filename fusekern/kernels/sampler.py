@@ -58,13 +58,17 @@ def chunk_warps(block: int, key_bits: int = 16) -> int:
 
 
 def chunk_span(B: int, V: int, block: int, sms: int) -> int:
-    """Tokens per chunk (one CTA), a multiple of ``block``: about four CTAs per SM over the batch, at most
-    32 chunks a row (H200 sweep, git 6445512: 32 chunks at B = 1, 16 at B = 32, 3-4 at B = 256)."""
-    ctas = max(1, min(cdiv(4 * sms, B), 32, cdiv(V, block)))
+    """Tokens per chunk (one CTA), a multiple of ``block``: about two CTAs per SM over the batch, 4 to 16
+    chunks a row (H200 sweep at git 1a622f1, `sampler_sweep_1a622f1.csv`: 16 chunks at B = 1 and 8, 8 at
+    B = 32, 4 at B = 256; 1-4 alike at B = 512). More chunks cost step 2 more candidates to merge."""
+    ctas = max(1, min(max(2 * sms // B, 4), 16, cdiv(V, block)))
     return cdiv(cdiv(V, ctas), block) * block
 
 
-FINISH_WARPS = 8  # of step 2's CTA: 4 measured no faster at 512 slots and spilled on Triton 3.9
+def finish_warps_for(key_bits: int) -> int:
+    """Warps of step 2's CTA: 8 (4 measured no faster at 512 slots and spilled on Triton 3.9); 16 for fp32
+    keys (8 spilled on Triton 3.9 at 16 chunks of 64 slots)."""
+    return 16 if key_bits == 32 else 8
 
 
 def keys_per_chunk(top_k: int | None, block: int) -> int:
@@ -98,8 +102,9 @@ def sub_block(warps: int) -> int:
 
 
 def gather_steps(warps: int, slots: int) -> int:
-    """Steps of a chunk whose flagged positions are gathered at once (8 tokens per thread)."""
-    return max(1, 256 * warps // slots)
+    """Steps of a chunk whose flagged positions are gathered at once: 8 tokens per thread, at most 16 steps
+    (32 spilled in the fp32 kernel on 8 warps). H200, B = 256: 8 steps 53.0 us, 16: 63.3, 32: 70.6."""
+    return max(1, min(16, 256 * warps // slots))
 
 
 def kept_block(kc: int) -> int:
@@ -780,7 +785,7 @@ def sample_triton(
     )
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
-                         num_warps=finish_warps or FINISH_WARPS)
+                         num_warps=finish_warps or finish_warps_for(meta["KEY_BITS"]))
     return out
 
 
@@ -817,7 +822,7 @@ def aot_builds():
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=chunk_warps(block, key_bits)))
         builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
-                                  num_warps=FINISH_WARPS))
+                                  num_warps=finish_warps_for(key_bits)))
     return builds
 
 
