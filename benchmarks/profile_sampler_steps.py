@@ -27,7 +27,8 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 SRC = os.path.join(os.path.dirname(__file__), "..", "fusekern", "kernels", "sampler.py")
 TOPK = "    best = tl.topk(gmax, KC)  # descending\n"
 WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
-FINISH = "    _sample_kernel[(B,)](*args, FINISH=True, **meta,\n                         num_warps=finish_warps or finish_warps_for(meta[\"KEY_BITS\"]))\n    return out\n"
+FINISH = ("    _sample_kernel[(B,)](*args, FINISH=True, **meta,\n"
+          "                         num_warps=finish_warps or finish_warps_for(meta[\"KEY_BITS\"]))\n    return out\n")
 STEP1_ONLY = "    return out, i32\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
 NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END

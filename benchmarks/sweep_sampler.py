@@ -74,8 +74,8 @@ def main():
                 exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             tag = "default" if cfg is default else ""
             out.write(dict(**meta, B=B, V=V, block=cfg["block"], warps=cfg["warps"], span=cfg["span"],
-                           slots=cfg["slots"], sub=cfg["sub"], gather=cfg.get("gather", ""), tag=tag, median_us=round(us, 2), exact=exact,
-                           error=err))
+                           slots=cfg["slots"], sub=cfg["sub"], gather=cfg.get("gather", ""), tag=tag,
+                           median_us=round(us, 2), exact=exact, error=err))
             print(f"B={B:4d} {str(cfg):72s} {us:8.2f} us  {'exact' if exact else 'MISMATCH ' + err} {tag}",
                   flush=True)
             if exact and (best is None or us < best[0]):
@@ -85,8 +85,8 @@ def main():
             us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
                                                    rep=100) * 1e3
             exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
-            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, gather="", tag="before", median_us=round(us, 2),
-                           exact=exact, error=""))
+            out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, gather="", tag="before",
+                           median_us=round(us, 2), exact=exact, error=""))
             print(f"B={B:4d} before {us:8.2f} us {'exact' if exact else 'MISMATCH'}", flush=True)
         if args.profile:
             fn = lambda: S.sample_triton(logits, T, K, P, seed=seed)  # noqa: E731

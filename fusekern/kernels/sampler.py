@@ -13,10 +13,12 @@ register-sized steps:
 1. Each chunk finds a threshold t_c with ``k_c <= count(key >= t_c) <= SLOTS`` (``k_c = min(k, KC)``):
    its first pass keeps the largest key per position of a step, carried across steps without a reduction,
    and takes the k_c-th largest maximum of GROUPS groups of positions (k_c groups hold a key at or above
-   it); a binary search on counts follows only when that guess overflows the slots. A second pass (from
-   L1/L2) writes the tokens with key >= t_c (its candidates: raw key and index, packed), and the chunk
-   stores its largest key and its sum of exp (top-p without top-k). Keys here are of the raw logits:
-   x = logits / T is monotone in them, so no token is divided in this pass.
+   it); a binary search on counts follows only when that guess overflows the slots. Every token with
+   key >= t_c sits at a step position whose running max is >= t_c (no more such positions than tokens),
+   so only those positions are re-read, a few steps at once, and the tokens with key >= t_c written (its
+   candidates: raw key and index, packed); re-reading the whole chunk step by step cost 120 of 150 us at
+   B = 256. The chunk also stores its largest key and its sum of exp (top-p without top-k). Keys here
+   are of the raw logits: x = logits / T is monotone in them, so no token is divided in this pass.
    Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
    holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= KC.
 2. A second launch, one CTA per row, reads the row's candidates and takes the exact
@@ -38,7 +40,7 @@ import triton.language as tl
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
-KERNEL_VERSION = "sampler-3"
+KERNEL_VERSION = "sampler-4"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
