@@ -3,12 +3,14 @@
     python benchmarks/profile_sampler_steps.py [--bs 1,32,256] [--csv OUT.csv]
 
 Each variant is a copy of fusekern/kernels/sampler.py (up to its custom-op section) with text replaced,
-imported as its own module (its own Triton kernels and caches), and its step-1 launch alone timed in a CUDA
-graph (``do_bench_cudagraph``, median; the variants' results are wrong by design, only their time counts):
+imported as its own module (its own Triton kernels and caches), and its step-1 launch alone
+(``step1_only``) timed in a CUDA graph (``do_bench_cudagraph``, median; the variants' results are wrong
+by design, only their time counts):
 - ``full``: step 1 as shipped;  ``no_write``: without writing the candidates (nor any search);
 - ``no_topk``: the threshold is the chunk's largest key instead of the k_c-th largest group maximum;
 - ``pass1``: the first pass alone (no top-k, no writes). ``amax`` is torch.amax over the rows: a read floor.
-It also reports how many chunks still overflow their slots after the searches (their rows take step 2's slow path).
+It also reports how many chunks still overflow their slots after the searches (their rows take step 2's
+slow path).
 """
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 SRC = os.path.join(os.path.dirname(__file__), "..", "fusekern", "kernels", "sampler.py")
 TOPK = "    best = tl.topk(gmax, KC)  # descending\n"
 WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
-FINISH = ("    _sample_kernel[(B,)](*args, FINISH=True, **meta,\n"
-          "                         num_warps=finish_warps or finish_warps_for(meta[\"KEY_BITS\"]))\n    return out\n")
-STEP1_ONLY = "    return out, i32\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
 NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END
 VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [NO_TOPK, NO_WRITE]}
@@ -38,7 +37,7 @@ VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [
 def load_variant(name: str, edits):
     src = open(SRC).read()
     src = src[:src.index("# ----------------------------------------------------------------------------- custom op")]
-    for old, new in edits + [(FINISH, STEP1_ONLY)]:
+    for old, new in edits:
         if old == "WRITE":
             old = src[src.index(WRITE_START):src.index(WRITE_END)]
         if old not in src:
@@ -66,17 +65,16 @@ def main():
     for B in map(int, args.bs.split(",")):
         g = torch.Generator().manual_seed(B)
         logits = (torch.randn(B, V, generator=g) * 3).to("cuda", torch.bfloat16)
-        _, i32 = mods["full"].sample_triton(logits, T, K, P, seed=seed)
-        slots = mods["full"].slots_for(mods["full"].keys_per_chunk(K, 2048), i32.shape[2], K)
-        overflow = int((i32[1] > slots).sum())
+        _, cnt, cand = mods["full"].sample_triton(logits, T, K, P, seed=seed, step1_only=True)
+        overflow, chunks = int((cnt > cand.shape[-1]).sum()), cnt.numel()
         times = {"amax": triton.testing.do_bench_cudagraph(lambda: torch.amax(logits, dim=-1), rep=100) * 1e3}
         for name, mod in mods.items():
             times[name] = triton.testing.do_bench_cudagraph(
-                lambda: mod.sample_triton(logits, T, K, P, seed=seed), rep=100) * 1e3
+                lambda: mod.sample_triton(logits, T, K, P, seed=seed, step1_only=True), rep=100) * 1e3
         for name, us in times.items():
-            out.write(dict(**meta, B=B, V=V, variant=name, step1_us=round(us, 2), chunks=i32.shape[1] * i32.shape[2],
+            out.write(dict(**meta, B=B, V=V, variant=name, step1_us=round(us, 2), chunks=chunks,
                            overflowed=overflow))
-        print(f"B={B:4d} chunks {i32.shape[1] * i32.shape[2]:5d} overflowed {overflow:4d}  " +
+        print(f"B={B:4d} chunks {chunks:5d} overflowed {overflow:4d}  " +
               "  ".join(f"{k} {v:7.2f}" for k, v in times.items()), flush=True)
     out.close()
 

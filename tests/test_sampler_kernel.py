@@ -119,22 +119,72 @@ def test_ties_at_the_pivot_are_kept():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["one position", "constant row", "spread"])
+@pytest.mark.parametrize("layout", ["one position", "tied at one position", "constant row", "spread"])
 def test_candidate_write_paths(dtype, layout):
     """Step 1 re-reads only the step positions whose running max reaches the chunk's threshold. "one
     position": the largest tokens all sit at one position of every step (the gathered count overflows the
-    slots: a search among the gathered tokens); "constant row": every position is flagged (more than the
-    slots: the search over the whole chunk); "spread": the usual case."""
-    B, V, block = 2, 2048, 64
+    slots: a search among the gathered tokens); "tied at one position": the same with equal values (no
+    threshold fits the slots: the row takes step 2's slow path); "constant row": every position is
+    flagged (more than the slots: the search over the whole chunk); "spread": the usual case."""
+    B, V, block = 2, 4096, 64
     logits = make_logits(B, V, dtype, seed=31, scale=0.5)
     if layout == "one position":
         logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
+    elif layout == "tied at one position":
+        logits[:, 3::block] = 9.0
     elif layout == "constant row":
         logits[:] = 1.0
     q = exp_noise(B, V, seed=32)
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)
     S.sample_triton(logits, 1.0, 5, 0.9, seed=seed_tensor(), noise=q, out=out, block=block, span=V)
     assert out.cpu().tolist() == S.sample_reference(logits, 1.0, 5, 0.9, q=q).tolist()
+
+
+def raw_keys(logits):
+    """The kernel's order-preserving integer key of each raw logit (+0 for -0), as int64."""
+    if logits.dtype == torch.float32:
+        b = logits.view(torch.int32).long()
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+    b = logits.view(torch.int16).long()
+    return torch.where(b >= 0, b + 32768, torch.where(b == -32768, 32768, -1 - b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["one position", "tied at one position", "constant row", "spread"])
+def test_step1_writes_every_token_at_or_above_its_threshold(dtype, layout):
+    """Step 1 alone, chunk by chunk: the count is the number of tokens with key >= the threshold, at least
+    k; when it fits the slots they hold exactly those tokens (key and index), otherwise distinct ones of
+    them (the row then takes step 2's slow path)."""
+    B, V, block, k = 2, 4096, 64, 5
+    # 32 tokens of a chunk at one position: more than its 32 slots with the others; 64 ties: no threshold fits
+    span = {"one position": 2048, "tied at one position": 4096}.get(layout, 1024)
+    logits = make_logits(B, V, dtype, seed=41, scale=0.5)
+    if layout == "one position":
+        logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
+    elif layout == "tied at one position":
+        logits[:, 3::block] = 9.0
+    elif layout == "constant row":
+        logits[:] = 1.0
+    thr, cnt, cand = S.sample_triton(logits, 1.0, k, seed=seed_tensor(), block=block, span=span, step1_only=True)
+    slots = cand.shape[-1]
+    keys = raw_keys(logits.cpu())
+    thr, cnt, cand = thr.cpu(), cnt.cpu(), cand.cpu()
+    for b in range(B):
+        for c in range(V // span):
+            chunk = keys[b, c * span:(c + 1) * span]
+            n = int(cnt[b, c])
+            at_or_above = set((torch.nonzero(chunk >= int(thr[b, c])).flatten() + c * span).tolist())
+            assert n == len(at_or_above) >= k, (b, c)
+            got = cand[b, c, :min(n, slots)]
+            tokens = (got & 0xFFFFFFFF).tolist()
+            assert len(set(tokens)) == len(tokens) and set(tokens) <= at_or_above
+            assert (got >> 32).tolist() == keys[b, tokens].tolist()
+            if n <= slots:
+                assert set(tokens) == at_or_above
+    if layout in ("tied at one position", "constant row"):
+        assert (cnt > slots).any()  # the overflow paths did run
+    else:
+        assert (cnt <= slots).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,6 +249,23 @@ def test_special_values():
     assert out[:4] == eager[:4].tolist()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_nan_gives_token_0(dtype):
+    """A NaN with its sign bit set (its key lies below -inf's; step 1 moves it above every key)."""
+    V = 300
+    logits = make_logits(3, V, dtype, seed=12)
+    bits = {torch.bfloat16: (torch.int16, -63), torch.float16: (torch.int16, -511),
+            torch.float32: (torch.int32, -4194303)}[dtype]  # 0xFFC1 / 0xFE01 / 0xFFC00001: negative NaNs
+    raw = logits.view(bits[0])
+    raw[1, 123] = bits[1]
+    assert torch.isnan(logits[1, 123]) and logits.view(bits[0])[1, 123] < 0
+    q = exp_noise(3, V, seed=13)
+    for filters in (dict(top_k=20, top_p=0.9), dict(top_p=0.8), dict()):
+        out = S.sample_triton(logits, 0.9, seed=seed_tensor(), noise=q, block=64, **filters).cpu().tolist()
+        assert out[1] == 0
+        assert out == S.sample_reference(logits, 0.9, q=q, **filters).tolist()
+
+
 def sample_eager_gpt_fast(logits, temperature, top_k, q):
     """The original chain with given noise, in the logits' dtype (what a user's graph computes)."""
     logits = logits / max(temperature, 1e-5)
@@ -231,6 +298,10 @@ def test_bad_input_is_a_clear_error():
         S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), block=16, kc=32)
     with pytest.raises(ValueError, match="multiple of block"):
         S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), block=16, span=24)
+    with pytest.raises(ValueError, match="sub <= block"):
+        S.sample_triton(logits, 1.0, 5, seed=seed_tensor(), block=16, sub=32)
+    with pytest.raises(ValueError, match="step1_only needs a filter"):
+        S.sample_triton(logits, 1.0, seed=seed_tensor(), step1_only=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

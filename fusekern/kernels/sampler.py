@@ -14,9 +14,9 @@ register-sized steps:
    its first pass keeps the largest key per position of a step, carried across steps without a reduction,
    and takes the k_c-th largest maximum of GROUPS groups of positions (k_c groups hold a key at or above
    it); a binary search on counts follows only when that guess overflows the slots. Every token with
-   key >= t_c sits at a step position whose running max is >= t_c (no more such positions than tokens),
-   so only those positions are re-read, a few steps at once, and the tokens with key >= t_c written (its
-   candidates: raw key and index, packed); re-reading the whole chunk step by step cost 120 of 150 us at
+   key >= t_c sits at a step position whose running max is >= t_c (as a rule no more such positions than
+   tokens), so only those positions are re-read, a few steps at once, and the tokens with key >= t_c
+   written (its candidates: raw key and index, packed); re-reading the whole chunk step by step cost 120 of 150 us at
    B = 256. The chunk also stores its largest key and its sum of exp (top-p without top-k). Keys here
    are of the raw logits: x = logits / T is monotone in them, so no token is divided in this pass.
    Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
@@ -463,9 +463,10 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
     nan = (top > _key_of(tl.full((), float("inf"), tl.float32), DTYPE)).to(tl.int32)
     best = tl.topk(gmax, KC)  # descending
     t = tl.max(tl.where(tl.arange(0, KC) == k_c - 1, best, MIN_KEY), axis=0)
-    # Every token with key >= t lies at a step position whose running max is >= t: there are at most
-    # as many such positions as tokens, so with a guess that fits the slots they fit too. Their list goes
-    # through the chunk's slots (the candidates overwrite it), then only those positions are re-read.
+    # Every token with key >= t lies at a step position whose running max is >= t: short of positions
+    # holding only lanes past the end (when t is the key of -inf), there are at most as many such
+    # positions as tokens, so with a guess that fits the slots they fit too. Their list goes through the
+    # chunk's slots (the candidates overwrite it), then only those positions are re-read.
     flag = kmax >= t
     n_pos = tl.sum(flag.to(tl.int32), axis=0)
     n = tl.full((), SLOTS + 1, tl.int32)
@@ -480,9 +481,14 @@ def _chunk_candidates(logits_ptr, row, stride_row, start, end, at, k_c, temperat
         if n > SLOTS:  # several tokens at one position (or ties): search among the gathered tokens
             t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, pos, n_pos,
                         cand_ptr, at, True, SLOTS, SUB, BLOCK, SG)
+            tl.debug_barrier()  # the first write done before the slots are rewritten
             n = _gathered(logits_ptr, row, stride_row, start, end, t, pos, n_pos, cand_ptr, at, True, SLOTS,
                           BLOCK, SG)
-    if n > SLOTS:  # more flagged positions than slots, or ties no threshold separates: over the chunk
+    # More flagged positions than slots (ties, lanes past the end), or ties no threshold separates: search
+    # and write over the whole chunk. (The second case repeats the gathered search's answer; testing
+    # n_pos here instead made ptxas spill the kernel, and such ties are rare.)
+    if n > SLOTS:
+        tl.debug_barrier()
         t = _narrow(logits_ptr, row, stride_row, start, end, t, top.to(tl.int64) + 1, k_c, 0, 0, cand_ptr, at,
                     False, SLOTS, SUB, BLOCK, SG)
         n = _write_candidates(logits_ptr, row, stride_row, start, end, t, cand_ptr, at, SLOTS, SUB)
@@ -700,7 +706,8 @@ def sample_triton(
     finish_warps: int | None = None,
     sub: int | None = None,
     gather: int | None = None,
-) -> torch.Tensor:
+    step1_only: bool = False,
+):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
 
     ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None or >= 1:
@@ -715,7 +722,9 @@ def sample_triton(
     chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
     kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
     re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once.
-    """
+    ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
+    each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
+    ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -785,7 +794,11 @@ def sample_triton(
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
         KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub, SG=gather,
     )
+    if step1_only and not (has_k or has_p or has_m):
+        raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
+    if step1_only:
+        return i32[0], i32[1], cand.view(B, C, slots)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
                          num_warps=finish_warps or finish_warps_for(meta["KEY_BITS"]))
     return out
