@@ -118,8 +118,24 @@ def test_ties_at_the_pivot_are_kept():
     assert out.cpu().tolist() == S.sample_reference(logits, 1.0, 2, q=q).tolist()
 
 
+WRITE_PATH_LAYOUTS = ["one position", "tied at one position", "constant row", "spread"]
+
+
+def write_path_logits(layout, dtype, seed, B=2, V=4096, block=64):
+    """Rows for step 1's write paths: "one position": the largest tokens all at position 3 of every step;
+    "tied at one position": the same, all equal; "constant row": every logit equal; "spread": random."""
+    logits = make_logits(B, V, dtype, seed=seed, scale=0.5)
+    if layout == "one position":
+        logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
+    elif layout == "tied at one position":
+        logits[:, 3::block] = 9.0
+    elif layout == "constant row":
+        logits[:] = 1.0
+    return logits
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["one position", "tied at one position", "constant row", "spread"])
+@pytest.mark.parametrize("layout", WRITE_PATH_LAYOUTS)
 def test_candidate_write_paths(dtype, layout):
     """Step 1 re-reads only the step positions whose running max reaches the chunk's threshold. "one
     position": the largest tokens all sit at one position of every step (the gathered count overflows the
@@ -127,13 +143,7 @@ def test_candidate_write_paths(dtype, layout):
     threshold fits the slots: the row takes step 2's slow path); "constant row": every position is
     flagged (more than the slots: the search over the whole chunk); "spread": the usual case."""
     B, V, block = 2, 4096, 64
-    logits = make_logits(B, V, dtype, seed=31, scale=0.5)
-    if layout == "one position":
-        logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
-    elif layout == "tied at one position":
-        logits[:, 3::block] = 9.0
-    elif layout == "constant row":
-        logits[:] = 1.0
+    logits = write_path_logits(layout, dtype, seed=31, B=B, V=V, block=block)
     q = exp_noise(B, V, seed=32)
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)
     S.sample_triton(logits, 1.0, 5, 0.9, seed=seed_tensor(), noise=q, out=out, block=block, span=V)
@@ -150,7 +160,7 @@ def raw_keys(logits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["one position", "tied at one position", "constant row", "spread"])
+@pytest.mark.parametrize("layout", WRITE_PATH_LAYOUTS)
 def test_step1_writes_every_token_at_or_above_its_threshold(dtype, layout):
     """Step 1 alone, chunk by chunk: the count is the number of tokens with key >= the threshold, at least
     k; when it fits the slots they hold exactly those tokens (key and index), otherwise distinct ones of
@@ -158,13 +168,7 @@ def test_step1_writes_every_token_at_or_above_its_threshold(dtype, layout):
     B, V, block, k = 2, 4096, 64, 5
     # 32 tokens of a chunk at one position: more than its 32 slots with the others; 64 ties: no threshold fits
     span = {"one position": 2048, "tied at one position": 4096}.get(layout, 1024)
-    logits = make_logits(B, V, dtype, seed=41, scale=0.5)
-    if layout == "one position":
-        logits[:, 3::block] = torch.linspace(5.0, 9.0, V // block, device=DEVICE).to(dtype)
-    elif layout == "tied at one position":
-        logits[:, 3::block] = 9.0
-    elif layout == "constant row":
-        logits[:] = 1.0
+    logits = write_path_logits(layout, dtype, seed=41, B=B, V=V, block=block)
     thr, cnt, cand = S.sample_triton(logits, 1.0, k, seed=seed_tensor(), block=block, span=span, step1_only=True)
     slots = cand.shape[-1]
     keys = raw_keys(logits.cpu())
