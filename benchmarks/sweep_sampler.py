@@ -60,7 +60,8 @@ def main():
         want = S.sample_reference(logits, T, K, P, q=q).tolist()
         block = S.chunk_block(B, V)
         span = S.chunk_span(B, V, block, torch.cuda.get_device_properties(0).multi_processor_count)
-        default = dict(block=block, warps=S.chunk_warps(block), span=span, sub=min(S.sub_block(S.chunk_warps(block)), block),
+        default = dict(block=block, warps=S.chunk_warps(block), span=span,
+                       sub=min(S.sub_block(S.chunk_warps(block)), block),
                        slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span), K))
         best = None
         for cfg in [default] if args.default_only else [default, *configs(B)]:

@@ -96,11 +96,12 @@ def groups_for(kc: int, block: int) -> int:
     return min(4 * kc, block)
 
 
-def sub_block(warps: int) -> int:
-    """Tokens per step of the loops that re-read a chunk (writing candidates, the race without filters):
-    4 per thread. Each token there holds a 64-bit candidate and its 64-bit address: at 16 per thread
-    (2048 on 4 warps) step 1 took 190 registers (two CTAs per SM, latency-bound), at 4 it takes 72."""
-    return 128 * warps
+def sub_block(warps: int, filtered: bool = True) -> int:
+    """Tokens per step of the loops that re-read a chunk. With a filter they only write candidates on the
+    rare overflow paths, but each token there holds a 64-bit candidate and its 64-bit address and the
+    kernel's registers are its largest path's: 4 per thread (at 16, step 1 took 190 registers). The
+    temperature-only race keeps its measured 16 per thread."""
+    return (128 if filtered else 512) * warps
 
 
 def gather_steps(warps: int, slots: int) -> int:
@@ -763,7 +764,7 @@ def sample_triton(
     slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
     warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
-    sub = sub or min(sub_block(warps), block)
+    sub = sub or min(sub_block(warps, has_k or has_p or has_m), block)
     gather = gather or gather_steps(warps, slots)
     for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub),
                         ("gather", gather)):
