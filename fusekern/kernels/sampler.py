@@ -763,7 +763,8 @@ def sample_triton(
     kc = kc or keys_per_chunk(scalar_k, block)
     slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
-    warps = warps or chunk_warps(block, 32 if logits.dtype == torch.float32 else 16)
+    key_bits = 32 if logits.dtype == torch.float32 else 16
+    warps = warps or chunk_warps(block, key_bits)
     sub = sub or min(sub_block(warps, has_k or has_p or has_m), block)
     gather = gather or gather_steps(warps, slots)
     for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub),
@@ -793,7 +794,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=32 if logits.dtype == torch.float32 else 16, SUB=sub, SG=gather,
+        KEY_BITS=key_bits, SUB=sub, SG=gather,
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
@@ -801,7 +802,7 @@ def sample_triton(
     if step1_only:
         return i32[0], i32[1], cand.view(B, C, slots)
     _sample_kernel[(B,)](*args, FINISH=True, **meta,
-                         num_warps=finish_warps or finish_warps_for(meta["KEY_BITS"]))
+                         num_warps=finish_warps or finish_warps_for(key_bits))
     return out
 
 
@@ -821,6 +822,7 @@ def aot_builds():
         kc = keys_per_chunk(k, block)
         C = cdiv(V, span)
         slots = slots_for(kc, C, k)
+        warps = chunk_warps(block, key_bits)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
@@ -832,11 +834,10 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(chunk_warps(block, key_bits)), block),
-            SG=gather_steps(chunk_warps(block, key_bits), slots))
+            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
-                                  num_warps=chunk_warps(block, key_bits)))
+                                  num_warps=warps))
         builds.append(TritonBuild("sampler_finish", config, _sample_kernel, args, dict(constexprs, FINISH=True),
                                   num_warps=finish_warps_for(key_bits)))
     return builds
