@@ -1,6 +1,6 @@
 """Where the sampler's step 1 spends its time: step 1 alone, timed with parts of it cut out.
 
-    python benchmarks/profile_sampler_steps.py [--bs 1,32,256] [--csv OUT.csv]
+    python benchmarks/profile_sampler_steps.py [--bs 1,32,256] [--step 1|2] [--csv OUT.csv]
 
 Each variant is a copy of fusekern/kernels/sampler.py (up to its custom-op section) with text replaced,
 imported as its own module (its own Triton kernels and caches), and its step-1 launch alone
@@ -11,6 +11,12 @@ by design, only their time counts):
 - ``pass1``: the first pass alone (no top-k, no writes). ``amax`` is torch.amax over the rows: a read floor.
 It also reports how many chunks still overflow their slots after the searches (their rows take step 2's
 slow path).
+
+``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
+(step 2 launched after step 1 ends, not as a programmatic dependent launch), ``no_pivot`` (no radix
+select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
+block through the slots), ``no_race`` (no Philox draws: the score is x). ``step1`` is step 1 alone,
+``top_k_only`` the full sampler without top-p, ``before`` benchmarks/_sampler_before.py where present.
 """
 from __future__ import annotations
 
@@ -32,6 +38,13 @@ WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
 NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END
 VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [NO_TOPK, NO_WRITE]}
+STEP2_VARIANTS = {
+    "full": [],
+    "no_pdl": [("PDL=supports_pdl(dev)", "PDL=False")],
+    "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
+    "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],
+    "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
+}
 
 
 def load_variant(name: str, edits):
@@ -56,23 +69,40 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--bs", default="1,32,256")
+    ap.add_argument("--step", type=int, default=1, choices=(1, 2))
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
     seed = torch.tensor([7], device="cuda")
-    mods = {name: load_variant(name, edits) for name, edits in VARIANTS.items()}
+    mods = {name: load_variant(name, edits)
+            for name, edits in (VARIANTS if args.step == 1 else STEP2_VARIANTS).items()}
     for B in map(int, args.bs.split(",")):
         g = torch.Generator().manual_seed(B)
         logits = (torch.randn(B, V, generator=g) * 3).to("cuda", torch.bfloat16)
         _, cnt, cand = mods["full"].sample_triton(logits, T, K, P, seed=seed, step1_only=True)
         overflow, chunks = int((cnt > cand.shape[-1]).sum()), cnt.numel()
-        times = {"amax": triton.testing.do_bench_cudagraph(lambda: torch.amax(logits, dim=-1), rep=100) * 1e3}
-        for name, mod in mods.items():
-            times[name] = triton.testing.do_bench_cudagraph(
-                lambda: mod.sample_triton(logits, T, K, P, seed=seed, step1_only=True), rep=100) * 1e3
+
+        def bench(fn):
+            return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+
+        if args.step == 1:
+            times = {"amax": bench(lambda: torch.amax(logits, dim=-1))}
+            for name, mod in mods.items():
+                times[name] = bench(lambda: mod.sample_triton(logits, T, K, P, seed=seed, step1_only=True))
+        else:
+            full = mods["full"]
+            times = {"step1": bench(lambda: full.sample_triton(logits, T, K, P, seed=seed, step1_only=True)),
+                     "top_k_only": bench(lambda: full.sample_triton(logits, T, K, None, seed=seed))}
+            try:
+                import _sampler_before as before
+                times["before"] = bench(lambda: before.sample_triton(logits, T, K, P, seed=seed))
+            except ImportError:
+                pass
+            for name, mod in mods.items():
+                times[name] = bench(lambda: mod.sample_triton(logits, T, K, P, seed=seed))
         for name, us in times.items():
-            out.write(dict(**meta, B=B, V=V, variant=name, step1_us=round(us, 2), chunks=chunks,
+            out.write(dict(**meta, B=B, V=V, step=args.step, variant=name, us=round(us, 2), chunks=chunks,
                            overflowed=overflow))
         print(f"B={B:4d} chunks {chunks:5d} overflowed {overflow:4d}  " +
               "  ".join(f"{k} {v:7.2f}" for k, v in times.items()), flush=True)

@@ -1,6 +1,7 @@
 """Per-device facts that launch heuristics need, read once and cached (thread-safe)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -32,3 +33,21 @@ def sm_count(device: torch.device | str | int | None = None) -> int:
                 count = torch.cuda.get_device_properties(index).multi_processor_count
                 _sm_counts[index] = count
     return count
+
+
+_pdl: dict[int, bool] = {}
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (Hopper and later, compiled
+    kernels: a dependent grid starts while the one before it finishes, and waits for its results with
+    ``griddepcontrol.wait``). False on CPU and under the Triton interpreter. Cached per device index."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _pdl.get(index)
+    if ok is None:
+        with _lock:
+            ok = torch.cuda.get_device_capability(index)[0] >= 9
+            _pdl[index] = ok
+    return ok

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
 KERNEL_VERSION = "sampler-4"
@@ -513,6 +513,12 @@ def _scale(raw, temperature, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _max_max_or_sum(a0, a1, a2, a3, b0, b1, b2, b3):
+    """Combine of step 2's reduction over a row's chunks: two maxima, a bitwise or, a sum."""
+    return tl.maximum(a0, b0), tl.maximum(a1, b1), a2 | b2, a3 + b3
+
+
+@triton.jit
 def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
             thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
@@ -523,14 +529,24 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
     cc = tl.arange(0, C_BLOCK)
     here = cc < C
     chunks = row.to(tl.int64) * C + cc
-    bad = tl.max(tl.load(bad_ptr + chunks, mask=here, other=0, cache_modifier=".cg"), axis=0) != 0
-    raw_top = tl.max(tl.load(rmax_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
+    # The chunks' results, reduced in one pass (each reduction costs a round through shared memory)
+    bad_c = tl.load(bad_ptr + chunks, mask=here, other=0, cache_modifier=".cg")
+    top_c = tl.load(rmax_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg")
+    if FILTERED:
+        cnt = tl.load(cnt_ptr + chunks, mask=here, other=0, cache_modifier=".cg")
+        thr_c = tl.load(thr_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg")
+        flags = (cnt > SLOTS).to(tl.int32) * 2 + (bad_c != 0).to(tl.int32)  # overflowed its slots, saw a NaN
+        raw_top, raw_t, flags, n_valid = tl.reduce((top_c, thr_c, flags, tl.minimum(cnt, SLOTS)), 0,
+                                                   _max_max_or_sum)
+        exact = (flags & 2) == 0  # no chunk overflowed its slots
+        bad = (flags & 1) != 0
+    else:
+        best_c = tl.load(best_ptr + chunks, mask=here, other=-1, cache_modifier=".cg")
+        raw_top, best, bad, _ = tl.reduce((top_c, best_c, bad_c, bad_c), 0, _max_max_or_sum)
+        bad = bad != 0
     m = _scale(_x_of_key(raw_top, DTYPE), temperature, DTYPE)  # x is monotone in the raw logit
     bad |= m == float("inf")  # +inf logits, or a division that overflows, as the original computes
     if FILTERED:
-        cnt = tl.load(cnt_ptr + chunks, mask=here, other=0, cache_modifier=".cg")
-        raw_t = tl.max(tl.load(thr_ptr + chunks, mask=here, other=MIN_KEY, cache_modifier=".cg"), axis=0)
-        exact = tl.max(cnt, axis=0) <= SLOTS  # no chunk overflowed its slots
         # Every token with raw key >= raw_t is a candidate. In x's keys: every token whose x key is >= T,
         # T = 1 + the key of x just below raw_t (x rounds: several raw logits can share one x).
         # At or below the key of -inf (a chunk with fewer groups than k_c holding a finite key) every
@@ -551,7 +567,6 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
         cidx = tl.where(valid, _unpack_token(cand), 0)  # a stale token would address noise out of bounds
         cx = tl.where(valid, _scale(_x_of_key(craw, DTYPE), temperature, DTYPE), float("-inf"))
         ckey = tl.where(valid, _key_of(cx, DTYPE), MIN_KEY)
-        n_valid = tl.sum(valid.to(tl.int32), axis=0)
         # top-k: exact when the k-th largest candidate is >= T (then it is the row's k-th largest)
         pivot = tl.full((), MIN_KEY, tl.int32)
         restricted = tl.full((), 0, tl.int1)  # the kept set is known to lie at or above T
@@ -592,8 +607,6 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
         if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
                                   noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
-    else:
-        best = tl.max(tl.load(best_ptr + chunks, mask=here, other=-1, cache_modifier=".cg"), axis=0)
     # NaN or +inf anywhere, or no finite logit: the original softmax is all NaN, its argmax token 0.
     token = tl.where(bad | (m == float("-inf")), 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.store(out_ptr + row, token)
@@ -612,11 +625,14 @@ def _sample_kernel(
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
-    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr,
+    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
     CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
-    faster on the H200 than a second launch and needed more registers: 24.8 against 25.3 us at B = 1.)"""
+    faster on the H200 than a second launch and needed more registers: 24.8 against 25.3 us at B = 1.)
+    PDL (Hopper): step 2 is a programmatic dependent launch. Step 1's CTAs let it start at once, so its
+    CTAs are resident and have read their row's parameters when step 1 ends; it waits for step 1's
+    results (griddepcontrol.wait: step 1 complete, its writes visible) before reading them."""
     row = tl.program_id(0)
     DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
@@ -626,6 +642,8 @@ def _sample_kernel(
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     seed = tl.load(seed_ptr)
     if not FINISH:
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         # ---- 1. this chunk, on raw-logit keys (x = logits / T is monotone in them: no division per
         # token): its candidates (the tokens with key >= its k_c-th largest), max key, NaN flag
         chunk = tl.program_id(1)
@@ -658,6 +676,8 @@ def _sample_kernel(
         tl.store(bad_ptr + at, nan)
         tl.store(rmax_ptr + at, top)
     else:  # ---- 2. the row, from its chunks' candidates
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
@@ -794,15 +814,15 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=key_bits, SUB=sub, SG=gather,
+        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=supports_pdl(dev),
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     if step1_only:
         return i32[0], i32[1], cand.view(B, C, slots)
-    _sample_kernel[(B,)](*args, FINISH=True, **meta,
-                         num_warps=finish_warps or finish_warps_for(key_bits))
+    pdl = {"launch_pdl": True} if meta["PDL"] else {}  # only compiled kernels take the option
+    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or finish_warps_for(key_bits), **pdl)
     return out
 
 
@@ -834,7 +854,7 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots))
+            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=True)
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=warps))
