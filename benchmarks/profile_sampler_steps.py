@@ -13,9 +13,13 @@ It also reports how many chunks still overflow their slots after the searches (t
 slow path).
 
 ``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
-(step 2 launched after step 1 ends, not as a programmatic dependent launch), ``no_pivot`` (no radix
+(step 2 launched after step 1 ends, not as a programmatic dependent launch), ``inline_finish`` (step 2's
+body inlined into the kernel, as before e26fd89), ``noinline_chunks`` (step 1's body as a function of its
+own), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
-block through the slots), ``no_race`` (no Philox draws: the score is x). ``step1`` is step 1 alone,
+block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
+slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
+block: how much the code not run costs). ``step1`` is step 1 alone,
 ``top_k_only`` the full sampler without top-p, ``before`` benchmarks/_sampler_before.py where present.
 """
 from __future__ import annotations
@@ -38,12 +42,24 @@ WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
 NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END
 VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [NO_TOPK, NO_WRITE]}
+SLOW = """        if live & (exact == 0):
+            best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
+                                  noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
+"""
+BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
+                                           seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
+                                           KEY_BITS, DTYPE)
+"""
 STEP2_VARIANTS = {
     "full": [],
     "no_pdl": [("PDL=supports_pdl(dev)", "PDL=False")],
+    "inline_finish": [("@triton.jit(noinline=True)  # see _sample_kernel\ndef _finish(", "@triton.jit\ndef _finish(")],
+    "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
-    "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],
+    "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept & live)\n", "")],
     "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
+    "no_slow": [(SLOW, "")],
+    "no_slow_big": [(SLOW, ""), (BIG, "            best = tl.full((), -1, tl.int64)\n")],
 }
 
 
@@ -70,13 +86,15 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--bs", default="1,32,256")
     ap.add_argument("--step", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--variants", default=None, help="comma-separated names (default: all of the step's)")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
     seed = torch.tensor([7], device="cuda")
-    mods = {name: load_variant(name, edits)
-            for name, edits in (VARIANTS if args.step == 1 else STEP2_VARIANTS).items()}
+    variants = VARIANTS if args.step == 1 else STEP2_VARIANTS
+    names = args.variants.split(",") if args.variants else list(variants)
+    mods = {name: load_variant(name, variants[name]) for name in dict.fromkeys(["full"] + names)}
     for B in map(int, args.bs.split(",")):
         g = torch.Generator().manual_seed(B)
         logits = (torch.randn(B, V, generator=g) * 3).to("cuda", torch.bfloat16)
