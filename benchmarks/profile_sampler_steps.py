@@ -42,7 +42,7 @@ WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
 NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END
 VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [NO_TOPK, NO_WRITE]}
-SLOW = """        if live & (exact == 0):
+SLOW = """        if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
                                   noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
 """
@@ -56,7 +56,7 @@ STEP2_VARIANTS = {
     "inline_finish": [("@triton.jit(noinline=True)  # see _sample_kernel\ndef _finish(", "@triton.jit\ndef _finish(")],
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
-    "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept & live)\n", "")],
+    "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],
     "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
     "no_slow": [(SLOW, "")],
     "no_slow_big": [(SLOW, ""), (BIG, "            best = tl.full((), -1, tl.int64)\n")],

@@ -44,7 +44,7 @@ EDITS = [
     ("        n_kept = tl.sum(kept.to(tl.int32), axis=0)\n", "        _stamp(noise_ptr, row * 16 + 4, n_kept)\n"),
     ("            kidx = _unpack_token(kept_cand)\n",
      "            _stamp(noise_ptr, row * 16 + 5, tl.max(kidx, axis=0))\n"),
-    ("    tl.store(out_ptr + row, token, mask=live)\n", "    _stamp(noise_ptr, row * 16 + 6, token.to(tl.int32))\n"),
+    ("    tl.store(out_ptr + row, token)\n", "    _stamp(noise_ptr, row * 16 + 6, token.to(tl.int32))\n"),
     ("            tl.store(thr_ptr + at, t_c)\n", "            _stamp(noise_ptr, STEP1 + 2 * at + 1, t_c)\n"),
 ]
 NAMES = ["entry", "after_wait", "chunks_reduced", "pivot", "kept_counted", "kept_loaded", "token"]
