@@ -13,9 +13,9 @@ It also reports how many chunks still overflow their slots after the searches (t
 slow path).
 
 ``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
-(step 2 launched after step 1 ends, not as a programmatic dependent launch), ``inline_finish`` (step 2's
-body inlined into the kernel, as before e26fd89), ``noinline_chunks`` (step 1's body as a function of its
-own), ``no_pivot`` (no radix
+(step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
+batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
+own, not inlined), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
@@ -52,8 +52,9 @@ BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact,
 """
 STEP2_VARIANTS = {
     "full": [],
-    "no_pdl": [("PDL=supports_pdl(dev)", "PDL=False")],
-    "inline_finish": [("@triton.jit(noinline=True)  # see _sample_kernel\ndef _finish(", "@triton.jit\ndef _finish(")],
+    "no_pdl": [("PDL=uses_pdl(B, dev)", "PDL=False")],
+    "pdl": [("PDL=uses_pdl(B, dev)", "PDL=supports_pdl(dev)")],
+    "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
     "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],

@@ -104,7 +104,8 @@ def main():
         end1 = torch.where(used, s1[:, :, 1], 0).amax(1)
         t = {"step1_end": (end1 - start)}
         for i, name in enumerate(NAMES):
-            t[name] = stamps[:, i] - start
+            if bool((stamps[:, i] > 0).all()):  # "after_wait" only where step 2 is a dependent launch
+                t[name] = stamps[:, i] - start
         med = {k: float(v.double().median()) for k, v in t.items()}
         for k, v in med.items():
             out.write(dict(**meta, B=B, V=V, stamp=k, ns_after_step1_start=round(v)))

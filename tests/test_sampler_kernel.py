@@ -3,6 +3,8 @@
 On CPU the Triton kernels run in the interpreter (conftest); the same tests run compiled on a GPU.
 """
 
+import os
+
 import pytest
 import torch
 import triton
@@ -344,3 +346,12 @@ def test_size_heuristics():
     assert S.slots_for(64, 4, 50) == 128
     assert S.groups_for(64, 2048) == 256 and S.groups_for(64, 128) == 128
     assert S.kept_block(64) == 64 and S.kept_block(1024) == 128 and S.kept_block(4) == 16
+
+
+def test_dependent_launch_only_where_it_runs_and_helps():
+    # compiled Hopper kernels only (the interpreter has no griddepcontrol), and large batches only
+    assert not S.uses_pdl(256, torch.device("cpu"))
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        hopper = torch.cuda.get_device_capability(dev)[0] >= 9
+        assert S.uses_pdl(256, dev) == hopper and not S.uses_pdl(8, dev)

@@ -67,6 +67,13 @@ def chunk_span(B: int, V: int, block: int, sms: int) -> int:
     return cdiv(cdiv(V, ctas), block) * block
 
 
+def uses_pdl(B: int, device: torch.device) -> bool:
+    """Step 2 as a programmatic dependent launch (Hopper, compiled kernels) at B >= 128 only. H200, git
+    063d02c, whole sampler with against without (`sampler_step2_063d02c.csv`): B = 256 51.6 against 52.9 us,
+    B = 32 18.1 against 18.0, B = 1 and 8 0.4-0.5 us slower (its CTA waits resident from step 1's start)."""
+    return B >= 128 and supports_pdl(device)
+
+
 def finish_warps_for(key_bits: int) -> int:
     """Warps of step 2's CTA: 8 (4 measured no faster at 512 slots and spilled on Triton 3.9); 16 for fp32
     keys (8 spilled on Triton 3.9 at 16 chunks of 64 slots)."""
@@ -518,7 +525,7 @@ def _max_max_or_sum(a0, a1, a2, a3, b0, b1, b2, b3):
     return tl.maximum(a0, b0), tl.maximum(a1, b1), a2 | b2, a3 + b3
 
 
-@triton.jit(noinline=True)  # see _sample_kernel
+@triton.jit
 def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
             thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
@@ -630,9 +637,10 @@ def _sample_kernel(
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
     CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
     faster on the H200 than a second launch and needed more registers: 24.8 against 25.3 us at B = 1.)
-    PDL (Hopper): step 2 is a programmatic dependent launch. Step 1's CTAs let it start at once, so its
-    CTAs are resident and have read their row's parameters when step 1 ends; it waits for step 1's
-    results (griddepcontrol.wait: step 1 complete, its writes visible) before reading them."""
+    PDL (Hopper, large batches, see uses_pdl): step 2 is a programmatic dependent launch. Step 1's CTAs let
+    it start at once, so its CTAs are resident and have read their row's parameters when step 1 ends; it
+    waits for step 1's results (griddepcontrol.wait: step 1 complete, its writes visible) before reading
+    them."""
     row = tl.program_id(0)
     DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
@@ -678,8 +686,6 @@ def _sample_kernel(
     else:  # ---- 2. the row, from its chunks' candidates
         if PDL:
             tl.extra.cuda.gdc_wait()
-        # _finish is a function of its own, not inlined: H200, B = 1..256, the sampler took 5 us less so
-        # (10.9 against 15.9 us at B = 1; git e26fd89, the profile script's variants)
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
@@ -816,7 +822,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=supports_pdl(dev),
+        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev),
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
@@ -856,7 +862,7 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=True)
+            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=B >= 128)  # as uses_pdl on Hopper
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=warps))
