@@ -15,7 +15,8 @@ slow path).
 ``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
-own, not inlined), ``no_pivot`` (no radix
+own, not inlined), ``radix_4bit`` (the top-k radix select with 16-bin histograms, four digits for
+16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` / ``finish_16_warps`` (step 2's CTA size), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
@@ -50,10 +51,40 @@ BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
                                            KEY_BITS, DTYPE)
 """
+KTH = """    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
+    prefix = tl.zeros((), dtype=tl.int64)
+    rank = k
+    for p in tl.static_range(KEY_BITS // 8):
+        shift = KEY_BITS - 8 * (p + 1)
+        sel = valid & ((ukey >> (shift + 8)) == prefix)
+        h = tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
+        prefix, rank = _radix_digit(h, prefix, rank)
+"""
+
+
+def radix(bits: int) -> str:
+    """_kth_largest's loop with `bits`-bit digits, in 32-bit integers for 16-bit keys (64-bit before)."""
+    return f"""    ukey = key.to(tl.int64) + 2**31 if KEY_BITS == 32 else key  # unsigned order
+    prefix = tl.zeros((), dtype=ukey.dtype)
+    rank = k
+    for p in tl.static_range(KEY_BITS // {bits}):
+        shift = KEY_BITS - {bits} * (p + 1)
+        sel = valid & ((ukey >> (shift + {bits})) == prefix)
+        h = tl.histogram(((ukey >> shift) & {2**bits - 1}).to(tl.int32), {2**bits}, mask=sel)
+        bins = tl.arange(0, {2**bits})
+        at_or_above = tl.cumsum(h, axis=0, reverse=True)
+        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
+        prefix, rank = prefix * {2**bits} + digit, rank - tl.sum(tl.where(bins > digit, h, 0), axis=0)
+"""
+
+
 STEP2_VARIANTS = {
     "full": [],
     "no_pdl": [("PDL=uses_pdl(B, dev)", "PDL=False")],
     "pdl": [("PDL=uses_pdl(B, dev)", "PDL=supports_pdl(dev)")],
+    "radix_4bit": [(KTH, radix(4))],
+    "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
+    "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
     "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
