@@ -101,8 +101,8 @@ def load_variant(name: str, edits):
     for old, new in edits:
         if old == "WRITE":
             old = src[src.index(WRITE_START):src.index(WRITE_END)]
-        if old not in src:
-            raise SystemExit(f"variant {name}: the text to replace is gone from sampler.py: {old!r}")
+        if src.count(old) != 1:
+            raise SystemExit(f"variant {name}: the text to replace is gone from (or repeated in) sampler.py: {old!r}")
         src = src.replace(old, new)
     path = os.path.join(tempfile.mkdtemp(), f"sampler_{name}.py")
     open(path, "w").write(src)

@@ -12,17 +12,13 @@ equal to, the shipped kernel's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import sys
-import tempfile
 
 import torch
 
 from bench_common import RowWriter, versions, warm_up_clocks
+from profile_sampler_steps import load_variant
 
 V, T, K, P = 128256, 0.8, 50, 0.9
-SRC = os.path.join(os.path.dirname(__file__), "..", "fusekern", "kernels", "sampler.py")
 STEP1 = 1 << 16  # step 1's stamps start here in the buffer: 2 per CTA
 STAMP = '''
 
@@ -50,25 +46,11 @@ EDITS = [
 NAMES = ["entry", "after_wait", "chunks_reduced", "pivot", "kept_counted", "kept_loaded", "token"]
 
 
-def load_variant():
-    src = open(SRC).read()
-    src = src[:src.index("# ----------------------------------------------------------------------------- custom op")]
-    src = src.replace("\n# ----------------------------------------------------------------------------- kernels\n",
-                      "\n# ----------------------------------------------------------------------------- kernels\n"
-                      f"STEP1 = tl.constexpr({STEP1})" + STAMP, 1)
-    src = src.replace("seed, noise if noise is not None else f32,",
-                      "seed, noise if noise is not None else STAMPS.view(torch.float32),")
-    for anchor, line in EDITS:
-        if src.count(anchor) != 1:
-            raise SystemExit(f"the anchor is gone from (or repeated in) sampler.py: {anchor!r}")
-        src = src.replace(anchor, anchor + line)
-    path = os.path.join(tempfile.mkdtemp(), "sampler_timeline.py")
-    open(path, "w").write(src)
-    spec = importlib.util.spec_from_file_location("sampler_timeline", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+KERNELS = "\n# ----------------------------------------------------------------------------- kernels\n"
+VARIANT = [
+    (KERNELS, KERNELS + f"STEP1 = tl.constexpr({STEP1})" + STAMP),
+    ("seed, noise if noise is not None else f32,", "seed, noise if noise is not None else STAMPS.view(torch.float32),"),
+] + [(anchor, anchor + line) for anchor, line in EDITS]
 
 
 def main():
@@ -80,7 +62,7 @@ def main():
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
-    mod = load_variant()
+    mod = load_variant("timeline", VARIANT)
     seed = torch.tensor([7], device="cuda")
     for B in map(int, args.bs.split(",")):
         g = torch.Generator().manual_seed(B)
