@@ -16,7 +16,8 @@ slow path).
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
 own, not inlined), ``radix_4bit`` (the top-k radix select with 16-bin histograms, four digits for
-16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` / ``finish_16_warps`` (step 2's CTA size), ``no_pivot`` (no radix
+16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` / ``finish_16_warps`` (step 2's CTA size), ``top_p_sort`` (top-p's threshold from
+the small block sorted, instead of pairwise sums), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
@@ -49,7 +50,7 @@ SLOW = """        if not exact:
 """
 BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
-                                           KEY_BITS, DTYPE)
+                                           False, KEY_BITS, DTYPE)
 """
 KTH = """    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
     prefix = tl.zeros((), dtype=tl.int64)
@@ -85,6 +86,8 @@ STEP2_VARIANTS = {
     "radix_4bit": [(KTH, radix(4))],
     "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
     "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
+    "top_p_sort": [("TOP_P_SORT=bool(top_p_sort),", "TOP_P_SORT=True,"),
+                   ("            TOP_P_SORT=False)", "            TOP_P_SORT=True)")],
     "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],

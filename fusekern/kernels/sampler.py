@@ -240,13 +240,15 @@ def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
 @triton.jit
 def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
                      HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-                     PAIRWISE: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+                     PAIRWISE: tl.constexpr, SORTED: tl.constexpr, KEY_BITS: tl.constexpr,
+                     DTYPE: tl.constexpr):
     """Top-p and min-p over the kept candidates, then the race; returns (best packed score, exact).
 
     ``restricted``: the kept set is already the top-k set (top-p's softmax is over it). Otherwise
     (no top-k) kept holds every token at or above T, and the result is exact only where what the
-    filters keep provably lies there. Top-p's mass above each token: pairwise over a small block (one
-    2-D reduction), or a binary search over keys for a large one.
+    filters keep provably lies there. Top-p's mass above each token, in a small block: pairwise (one
+    2-D reduction), or with SORTED from the block sorted by key (a cumsum); in a large one: a binary
+    search over keys.
     """
     if HAS_TOP_P:
         if top_p < 1.0:
@@ -255,7 +257,20 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
             z = tl.where(restricted, mass, z_row)
             # without top-k, tokens below T have at least this mass above them: they are cut if >= p z
             exact &= restricted | (T == MIN_KEY) | (mass >= top_p * z)
-            if PAIRWISE:
+            if PAIRWISE and SORTED:
+                # Sorted by key, largest first (e rides in the low word: e >= 0, its bits sort as it
+                # does), the mass above position j is the exclusive cumsum. It grows along the order, so
+                # the kept tokens are those at or above the key of the last position where it is < p z
+                # (the first position always: the top group stays, even for p = 0). Ties share a key.
+                ebits = e.to(tl.int32, bitcast=True).to(tl.int64)
+                srt = tl.sort((tl.where(kept, key, MIN_KEY).to(tl.int64) << 32) | ebits, descending=True)
+                skey = (srt >> 32).to(tl.int32)
+                se = (srt & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+                excl = tl.cumsum(se, axis=0) - se
+                first = tl.arange(0, srt.shape[0]) == 0
+                t_p = tl.min(tl.where((excl < top_p * z) | first, skey, 2**31 - 1), axis=0)
+                kept &= key >= t_p
+            elif PAIRWISE:
                 above = tl.sum(tl.where(key[None, :] > key[:, None], e[None, :], 0.0), axis=1)
                 kept &= (above < top_p * z) | (above == 0.0)  # the top group stays, even for p = 0
             else:
@@ -530,7 +545,7 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
             ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
-            ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+            ROW_BLOCK: tl.constexpr, TOP_P_SORT: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """Step 2 for one row: from its chunks' candidates (raw-logit keys) to the sampled token."""
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     cc = tl.arange(0, C_BLOCK)
@@ -606,11 +621,11 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
             best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, True,
-                                           KEY_BITS, DTYPE)
+                                           TOP_P_SORT, KEY_BITS, DTYPE)
         else:
             best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
-                                           KEY_BITS, DTYPE)
+                                           False, KEY_BITS, DTYPE)
         if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
                                   noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
@@ -632,7 +647,8 @@ def _sample_kernel(
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
-    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, PDL: tl.constexpr,
+    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, TOP_P_SORT: tl.constexpr, KEY_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
     CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
@@ -689,7 +705,7 @@ def _sample_kernel(
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
-                KEPT_BLOCK, ROW_BLOCK, KEY_BITS, DTYPE)
+                KEPT_BLOCK, ROW_BLOCK, TOP_P_SORT, KEY_BITS, DTYPE)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -735,6 +751,7 @@ def sample_triton(
     finish_warps: int | None = None,
     sub: int | None = None,
     gather: int | None = None,
+    top_p_sort: bool = False,
     step1_only: bool = False,
 ):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
@@ -750,7 +767,9 @@ def sample_triton(
     ``slots``: candidate slots per chunk (tests force the slow path with small ones); ``warps``: of a
     chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
     kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
-    re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once.
+    re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once;
+    ``top_p_sort``: step 2 finds top-p's threshold in its small block by a sort and a cumsum instead of
+    pairwise sums (same tokens; an option until timed on the GPU).
     ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
     each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
     ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
@@ -822,7 +841,7 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev),
+        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev), TOP_P_SORT=bool(top_p_sort),
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
@@ -862,7 +881,8 @@ def aot_builds():
             HAS_MIN_P=False, HAS_NOISE=False, ROW_SUM=False, BLOCK=block, SLOTS=slots, KC=kc,
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
-            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=B >= 128)  # as uses_pdl on Hopper
+            SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=B >= 128,  # as uses_pdl on Hopper
+            TOP_P_SORT=False)
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=warps))
