@@ -17,7 +17,9 @@ slow path).
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
 own, not inlined), ``radix_4bit`` (the top-k radix select with 16-bin histograms, four digits for
 16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` / ``finish_16_warps`` (step 2's CTA size), ``top_p_sort`` (top-p's threshold from
-the small block sorted, instead of pairwise sums), ``no_pivot`` (no radix
+the small block sorted, instead of pairwise sums), ``pivot_search`` (the top-k pivot by a binary search
+on counts between the chunks' threshold and the largest key instead of the radix select; its tokens are
+not checked here: where the pivot lies below T the row is not exact either way), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
@@ -79,6 +81,20 @@ def radix(bits: int) -> str:
 """
 
 
+PIVOT = "                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)\n"
+# the k-th largest key by a binary search on counts over [T, the largest key] (one reduction a step)
+PIVOT_SEARCH = """                lo = tl.maximum(T.to(tl.int64), MIN_KEY) - 1
+                hi = tl.max(ckey, axis=0).to(tl.int64) + 1
+                k_eff = tl.minimum(k, n_valid)
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    c = tl.sum((ckey.to(tl.int64) >= mid).to(tl.int32), axis=0)
+                    lo = tl.where(c >= k_eff, mid, lo)
+                    hi = tl.where(c >= k_eff, hi, mid)
+                pivot = lo.to(tl.int32)
+"""
+
+
 STEP2_VARIANTS = {
     "full": [],
     "no_pdl": [("PDL=uses_pdl(B, dev)", "PDL=False")],
@@ -86,6 +102,7 @@ STEP2_VARIANTS = {
     "radix_4bit": [(KTH, radix(4))],
     "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
     "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
+    "pivot_search": [(PIVOT, PIVOT_SEARCH)],
     "top_p_sort": [("TOP_P_SORT=bool(top_p_sort),", "TOP_P_SORT=True,"),
                    ("            TOP_P_SORT=False)", "            TOP_P_SORT=True)")],
     "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],
