@@ -40,7 +40,7 @@ import triton.language as tl
 from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
-KERNEL_VERSION = "sampler-4"
+KERNEL_VERSION = "sampler-5"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
