@@ -16,8 +16,9 @@ slow path).
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
 own, not inlined), ``radix_4bit`` (the top-k radix select with 16-bin histograms, four digits for
-16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` / ``finish_16_warps`` (step 2's CTA size), ``top_p_sort`` (top-p's threshold from
-the small block sorted, instead of pairwise sums), ``pivot_search`` (the top-k pivot by a binary search
+16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` /
+``finish_16_warps`` (step 2's CTA size), ``top_p_sort`` (top-p's threshold from the small block sorted,
+instead of pairwise sums), ``pivot_search`` (the top-k pivot by a binary search
 on counts between the chunks' threshold and the largest key instead of the radix select; its tokens are
 not checked here: where the pivot lies below T the row is not exact either way), ``no_pivot`` (no radix
 select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
@@ -44,7 +45,7 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "fusekern", "kernels", "samp
 TOPK = "    best = tl.topk(gmax, KC)  # descending\n"
 WRITE_START, WRITE_END = "    flag = kmax >= t\n", "    return t, n, top, nan\n"
 NO_TOPK = (TOPK, "    best = tl.zeros((KC,), tl.int32) + top\n")
-NO_WRITE = ("WRITE", "    n = k_c\n")  # everything from WRITE_START up to WRITE_END
+NO_WRITE = ((WRITE_START, WRITE_END), "    n = k_c\n")
 VARIANTS = {"full": [], "no_write": [NO_WRITE], "no_topk": [NO_TOPK], "pass1": [NO_TOPK, NO_WRITE]}
 SLOW = """        if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
@@ -54,15 +55,10 @@ BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
                                            False, KEY_BITS, DTYPE)
 """
-KTH = """    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
-    prefix = tl.zeros((), dtype=tl.int64)
-    rank = k
-    for p in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (p + 1)
-        sel = valid & ((ukey >> (shift + 8)) == prefix)
-        h = tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
-        prefix, rank = _radix_digit(h, prefix, rank)
-"""
+# _kth_largest's radix loop: from its first line up to its return
+KTH = ("    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order\n"
+       "    prefix = tl.zeros((), dtype=tl.int64)\n",
+       "    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32)\n")
 
 
 def radix(bits: int) -> str:
@@ -116,11 +112,18 @@ STEP2_VARIANTS = {
 
 
 def load_variant(name: str, edits):
+    """sampler.py up to its custom-op section with each (old, new) edit made, imported as its own module.
+    old is a text that occurs exactly once, or a (start, end) pair of such texts: the span from start up
+    to (not including) end."""
     src = open(SRC).read()
     src = src[:src.index("# ----------------------------------------------------------------------------- custom op")]
     for old, new in edits:
-        if old == "WRITE":
-            old = src[src.index(WRITE_START):src.index(WRITE_END)]
+        anchors = old if isinstance(old, tuple) else (old,)
+        for text in anchors:
+            if src.count(text) != 1:
+                raise SystemExit(f"variant {name}: the text is gone from (or repeated in) sampler.py: {text!r}")
+        if isinstance(old, tuple):
+            old = src[src.index(old[0]):src.index(old[1])]
         if src.count(old) != 1:
             raise SystemExit(f"variant {name}: the text to replace is gone from (or repeated in) sampler.py: {old!r}")
         src = src.replace(old, new)

@@ -32,7 +32,8 @@ def _stamp(buf, i, dep):
 '''
 # (text after which a stamp goes, the stamp's line): step 2's stamps at row * 16 + index
 EDITS = [
-    ("    seed = tl.load(seed_ptr)\n", "    _stamp(noise_ptr, tl.where(FINISH, row * 16, STEP1 + 2 * (row * C + tl.program_id(1))), row)\n"),
+    ("    seed = tl.load(seed_ptr)\n",
+     "    _stamp(noise_ptr, tl.where(FINISH, row * 16, STEP1 + 2 * (row * C + tl.program_id(1))), row)\n"),
     ("            tl.extra.cuda.gdc_wait()\n", "            _stamp(noise_ptr, row * 16 + 1, row)\n"),
     ("        bad = (flags & 1) != 0\n", "        _stamp(noise_ptr, row * 16 + 2, raw_t + n_valid)\n"),
     ("                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)\n",
