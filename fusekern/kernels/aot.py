@@ -1,14 +1,16 @@
 """Compile Triton kernels for Hopper (sm_90a) on a machine without a GPU, and read their resources.
 
 ``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` builds PTX and a cubin with no driver. Resources are
-read by running Triton's bundled ``ptxas -v`` on that PTX with the flags Triton itself uses: it reports
-registers, the stack frame and spill stores/loads. ``cuobjdump -res-usage`` shows the same registers and
+read from ``ptxas -v``'s report of Triton's own ptxas run (its flags differ between versions: Triton 3.9
+adds ``--regAllocOptLevel=2``, and plain ``ptxas -v`` on its PTX reported spills that its cubin does not
+have); it reports registers, the stack frame and spill stores/loads. ``cuobjdump -res-usage`` shows the same registers and
 stack but no spill counts, and its LOCAL column stays 0 while a kernel spills (spills live in the stack
 frame), so it is not enough to prove "no spills". Shared memory is Triton's dynamic allocation (metadata).
 Run with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -76,7 +78,36 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:  # a register cap per thread, as the launch's ``maxnreg=`` sets it
         options["maxnreg"] = maxnreg
-    return triton.compile(src, target=SM90, options=options)
+    logs: list[str] = []
+    with _ptxas_logs(logs):
+        compiled = triton.compile(src, target=SM90, options=options)
+    if logs:
+        compiled.fusekern_ptxas_log = logs[-1]
+    return compiled
+
+
+@contextlib.contextmanager
+def _ptxas_logs(sink: list[str]):
+    """Compiles (no cache hit) and keeps the ``ptxas -v`` report of each ptxas run Triton makes: Triton
+    sends ptxas's stderr to a log file, read here before Triton deletes it."""
+    real_run = subprocess.run
+    always = triton.knobs.compilation.always_compile
+
+    def run(cmd, *args, **kwargs):
+        result = real_run(cmd, *args, **kwargs)
+        log = kwargs.get("stderr")
+        if isinstance(cmd, (list, tuple)) and cmd and "ptxas" in os.path.basename(str(cmd[0])) and hasattr(log, "name"):
+            with open(log.name) as f:
+                sink.append(f.read())
+        return result
+
+    subprocess.run = run
+    triton.knobs.compilation.always_compile = True
+    try:
+        yield
+    finally:
+        subprocess.run = real_run
+        triton.knobs.compilation.always_compile = always
 
 
 def _tool(name: str) -> str:
@@ -106,7 +137,10 @@ def ptxas_info(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed:\n{log}")
+    return _parse_ptxas_log(log)
 
+
+def _parse_ptxas_log(log: str) -> dict[str, int]:
     def num(pattern: str) -> int:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
@@ -124,6 +158,7 @@ def ptxas_info(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
 
 def resources(compiled) -> Resources:
     """Resources of a kernel compiled by ``compile_sm90``."""
-    info = ptxas_info(compiled.asm["ptx"])
+    log = getattr(compiled, "fusekern_ptxas_log", None)  # Triton's own run, with its flags
+    info = _parse_ptxas_log(log) if log else ptxas_info(compiled.asm["ptx"])
     shared = max(info.pop("shared"), int(compiled.metadata.shared))
     return Resources(**info, shared=shared, threads=32 * compiled.metadata.num_warps)
