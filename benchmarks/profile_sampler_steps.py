@@ -15,13 +15,10 @@ slow path).
 ``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
-own, not inlined), ``radix_4bit`` (the top-k radix select with 16-bin histograms, four digits for
-16-bit keys: Triton's histogram costs ~500 instructions per 256-bin digit), ``finish_4_warps`` /
-``finish_16_warps`` (step 2's CTA size), ``top_p_sort`` (top-p's threshold from the small block sorted,
-instead of pairwise sums), ``pivot_search`` (the top-k pivot by a binary search
-on counts between the chunks' threshold and the largest key instead of the radix select; its tokens are
-not checked here: where the pivot lies below T the row is not exact either way), ``no_pivot`` (no radix
-select: the pivot is the chunks' threshold), ``no_compact`` (the kept tokens are not moved into the small
+own, not inlined), ``finish_4_warps`` /
+``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_4`` / ``fan_16`` (points per round of the
+top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
+threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
 block: how much the code not run costs). ``step1`` is step 1 alone,
@@ -55,55 +52,27 @@ BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
                                            False, KEY_BITS, DTYPE)
 """
-# _kth_largest's radix loop: from its first line up to its return
-KTH = ("    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order\n"
-       "    prefix = tl.zeros((), dtype=tl.int64)\n",
-       "    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32)\n")
-
-
-def radix(bits: int) -> str:
-    """_kth_largest's loop with `bits`-bit digits, in 32-bit integers for 16-bit keys (64-bit before)."""
-    return f"""    ukey = key.to(tl.int64) + 2**31 if KEY_BITS == 32 else key  # unsigned order
-    prefix = tl.zeros((), dtype=ukey.dtype)
-    rank = k
-    for p in tl.static_range(KEY_BITS // {bits}):
-        shift = KEY_BITS - {bits} * (p + 1)
-        sel = valid & ((ukey >> (shift + {bits})) == prefix)
-        h = tl.histogram(((ukey >> shift) & {2**bits - 1}).to(tl.int32), {2**bits}, mask=sel)
-        bins = tl.arange(0, {2**bits})
-        at_or_above = tl.cumsum(h, axis=0, reverse=True)
-        digit = tl.max(tl.where(at_or_above >= rank, bins, 0), axis=0)
-        prefix, rank = prefix * {2**bits} + digit, rank - tl.sum(tl.where(bins > digit, h, 0), axis=0)
+PIVOT = """                lo = _kth_largest_in(ckey, tl.minimum(k, n_valid), tl.maximum(T.to(tl.int64), MIN_KEY) - 1,
+                                     _key_of(m, DTYPE).to(tl.int64) + 1, PIVOT_FAN, KEY_BITS)
 """
 
 
-PIVOT = "                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)\n"
-# the k-th largest key by a binary search on counts over [T, the largest key] (one reduction a step)
-PIVOT_SEARCH = """                lo = tl.maximum(T.to(tl.int64), MIN_KEY) - 1
-                hi = tl.max(ckey, axis=0).to(tl.int64) + 1
-                k_eff = tl.minimum(k, n_valid)
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    c = tl.sum((ckey.to(tl.int64) >= mid).to(tl.int32), axis=0)
-                    lo = tl.where(c >= k_eff, mid, lo)
-                    hi = tl.where(c >= k_eff, hi, mid)
-                pivot = lo.to(tl.int32)
-"""
+def fan(n: int):
+    return [("PIVOT_FAN=pivot_fan,", f"PIVOT_FAN={n},")]
 
 
 STEP2_VARIANTS = {
     "full": [],
     "no_pdl": [("PDL=uses_pdl(B, dev)", "PDL=False")],
     "pdl": [("PDL=uses_pdl(B, dev)", "PDL=supports_pdl(dev)")],
-    "radix_4bit": [(KTH, radix(4))],
     "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
     "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
-    "pivot_search": [(PIVOT, PIVOT_SEARCH)],
-    "top_p_sort": [("TOP_P_SORT=bool(top_p_sort),", "TOP_P_SORT=True,"),
-                   ("            TOP_P_SORT=False)", "            TOP_P_SORT=True)")],
+    "fan_1": fan(1),
+    "fan_4": fan(4),
+    "fan_16": fan(16),
     "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
-    "no_pivot": [("pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)", "pivot = T")],
+    "no_pivot": [(PIVOT, "                lo = T.to(tl.int64)\n")],
     "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],
     "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
     "no_slow": [(SLOW, "")],

@@ -36,7 +36,7 @@ EDITS = [
      "    _stamp(noise_ptr, tl.where(FINISH, row * 16, STEP1 + 2 * (row * C + tl.program_id(1))), row)\n"),
     ("            tl.extra.cuda.gdc_wait()\n", "            _stamp(noise_ptr, row * 16 + 1, row)\n"),
     ("        bad = (flags & 1) != 0\n", "        _stamp(noise_ptr, row * 16 + 2, raw_t + n_valid)\n"),
-    ("                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)\n",
+    ("                pivot = tl.maximum(lo, MIN_KEY).to(tl.int32)\n",
      "                _stamp(noise_ptr, row * 16 + 3, pivot)\n"),
     ("        n_kept = tl.sum(kept.to(tl.int32), axis=0)\n", "        _stamp(noise_ptr, row * 16 + 4, n_kept)\n"),
     ("            kidx = _unpack_token(kept_cand)\n",

@@ -68,10 +68,10 @@ def test_matches_reference_with_injected_noise(dtype, B, V, block, span, slots, 
 
 
 @pytest.mark.parametrize("variant", [dict(block=64), dict(block=32, span=256), dict(slots=8), "binary_search_top_p",
-                                     dict(top_p_sort=True)], ids=str)
+                                     dict(pivot_fan=1), dict(pivot_fan=32)], ids=str)
 def test_every_path_draws_the_same_tokens(variant, monkeypatch):
-    """Other chunk sizes, fast or slow path, top-p pairwise, by a sort or by binary
-    search: the same Philox uniform per (row, token), so the same tokens."""
+    """Other chunk sizes, fast or slow path, top-p by a sort or by binary search, the top-k pivot searched
+    by halves or 32 points a round: the same Philox uniform per (row, token), so the same tokens."""
     logits = make_logits(6, 900, torch.bfloat16, seed=21, scale=0.7)
     params = dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.02, seed=seed_tensor(11))
     base = S.sample_triton(logits, **params, block=128)
@@ -82,10 +82,11 @@ def test_every_path_draws_the_same_tokens(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["top-p", "top-k + top-p + min-p", "per row"])
-def test_top_p_by_sort_matches_reference(dtype, name):
-    """Step 2's sort-based top-p threshold (top_p_sort) against the float64 reference, with ties: each row's
-    largest 64 logits appear twice, so tied keys straddle the top-p boundary."""
+@pytest.mark.parametrize("name", ["top-k", "top-p", "top-k + top-p + min-p", "per row"])
+@pytest.mark.parametrize("pivot_fan", [1, 8])
+def test_tied_keys_at_the_cuts_match_reference(dtype, name, pivot_fan):
+    """Step 2's top-k pivot search and sort-based top-p threshold against the float64 reference, with ties:
+    each row's largest 64 logits appear twice, so tied keys straddle the top-k and top-p boundaries."""
     B, V = 5, 1100
     logits = make_logits(B, V, dtype, seed=B + V, scale=0.7)
     top = logits.topk(64, dim=-1).indices
@@ -93,15 +94,14 @@ def test_top_p_by_sort_matches_reference(dtype, name):
     q = exp_noise(B, V, seed=V)
     filters = filters_for(name, B, V)
     out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
-    S.sample_triton(logits, 0.9, seed=seed_tensor(), noise=q, out=out, block=256, top_p_sort=True, **filters)
+    S.sample_triton(logits, 0.9, seed=seed_tensor(), noise=q, out=out, block=256, pivot_fan=pivot_fan, **filters)
     assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **filters).tolist()
 
 
-@pytest.mark.parametrize("top_p_sort", [False, True])
-def test_top_p_zero_keeps_the_most_likely_token(top_p_sort):
+def test_top_p_zero_keeps_the_most_likely_token():
     """Hugging Face keeps one token (min_tokens_to_keep = 1) even for p = 0: the top one."""
     logits = make_logits(4, 500, torch.float32, seed=3)
-    out = S.sample_triton(logits, 1.0, top_p=0.0, seed=seed_tensor(), block=128, top_p_sort=top_p_sort)
+    out = S.sample_triton(logits, 1.0, top_p=0.0, seed=seed_tensor(), block=128)
     assert out.cpu().tolist() == logits.argmax(-1).cpu().tolist()
 
 

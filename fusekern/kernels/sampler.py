@@ -22,7 +22,8 @@ register-sized steps:
    Every token of the row with key >= T = max_c t_c is a candidate of its chunk, and since the chunk
    holding T alone has k_c tokens at or above it, the row's k-th largest is >= T when k <= KC.
 2. A second launch, one CTA per row, reads the row's candidates and takes the exact
-   top-k pivot, the top-p threshold (pairwise mass over the kept tokens), the min-p bound and
+   top-k pivot (a search on counts at or above the chunks' threshold), the top-p threshold (the kept
+   tokens moved into a small block, sorted, a cumsum of their mass), the min-p bound and
    the race (Philox uniform per (row, token), Gumbel score ``x - log q``: the normalizer does not change
    the argmax). Each step is exact when what it keeps lies at or above T, which it checks; a row where it
    does not hold (ties overflowing a chunk's slots, top-k beyond the slots, top-p / min-p sets reaching
@@ -40,7 +41,7 @@ import triton.language as tl
 from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
-KERNEL_VERSION = "sampler-5"
+KERNEL_VERSION = "sampler-6"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
@@ -75,9 +76,9 @@ def uses_pdl(B: int, device: torch.device) -> bool:
 
 
 def finish_warps_for(key_bits: int) -> int:
-    """Warps of step 2's CTA: 8 (4 measured no faster at 512 slots and spilled on Triton 3.9); 16 for fp32
-    keys (8 spilled on Triton 3.9 at 16 chunks of 64 slots)."""
-    return 16 if key_bits == 32 else 8
+    """Warps of step 2's CTA: 8 for every key width (4 measured slower: 17.5 against 15.3 us at B = 1,
+    H200, git 948cd5e). 16 for fp32 keys gave ptxas a 64-register budget: it spilled there."""
+    return 8
 
 
 def keys_per_chunk(top_k: int | None, block: int) -> int:
@@ -115,6 +116,15 @@ def gather_steps(warps: int, slots: int) -> int:
     """Steps of a chunk whose flagged positions are gathered at once: 8 tokens per thread, at most 16 steps
     (32 spilled in the fp32 kernel on 8 warps). H200, B = 256: 8 steps 53.0 us, 16: 63.3, 32: 70.6."""
     return max(1, min(16, 256 * warps // slots))
+
+
+def pivot_fan_for(key_bits: int) -> int:
+    """Points per round of step 2's search for the top-k pivot among its candidates (each round counts
+    the candidates at or above every point in one reduction and keeps the span between the last point that
+    holds k and the first that does not). 1, a binary search, for 16-bit keys: H200, whole sampler at
+    B = 1 / 32 / 256, 12.4 / 15.2 / 48.0 us against 12.9 / 15.4 / 48.9 with 4 points and 14.4 / 17.3 / 50.4
+    with 16 (`sampler_step2_pivot_fan.csv`). fp32 keys span up to 2**32 values: 4 points a round, untimed."""
+    return 1 if key_bits == 16 else 4
 
 
 def kept_block(kc: int) -> int:
@@ -188,19 +198,37 @@ def _radix_digit(h, prefix, rank):
     return prefix * 256 + digit, rank - tl.sum(tl.where(bins > digit, h, 0), axis=0)
 
 
+@triton.constexpr_function
+def _rounds_to_one(bits, parts):
+    """Rounds that cut a span of 2**bits keys into `parts` each until it is one key wide."""
+    rounds, span = 0, 2**bits
+    while span > 1:
+        span, rounds = -(-span // parts), rounds + 1
+    return rounds
+
+
 @triton.jit
-def _kth_largest(key, valid, k, KEY_BITS: tl.constexpr):
-    """The k-th largest of the valid keys (1 <= k <= their count), by radix select in registers: one
-    256-bin histogram per key byte (tl.sort of 4096 keys in one CTA measured ~90 us on the H200)."""
-    ukey = key.to(tl.int64) + (2**31 if KEY_BITS == 32 else 0)  # unsigned order
-    prefix = tl.zeros((), dtype=tl.int64)
-    rank = k
-    for p in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (p + 1)
-        sel = valid & ((ukey >> (shift + 8)) == prefix)
-        h = tl.histogram(((ukey >> shift) & 255).to(tl.int32), 256, mask=sel)
-        prefix, rank = _radix_digit(h, prefix, rank)
-    return (prefix - (2**31 if KEY_BITS == 32 else 0)).to(tl.int32)
+def _kth_largest_in(key, k, lo, hi, FAN: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The largest t in [lo, hi) with count(key >= t) >= k (lo if none in (lo, hi) has it), given
+    count(key >= hi) < k: a search on counts that cuts [lo, hi) at FAN points per round, all counted in one
+    2-D reduction (a radix select's 256-bin histograms cost ~500 instructions a digit in Triton; H200, git
+    948cd5e, whole sampler at B = 1: 14.3 us against 15.3 with the radix select). Lanes to skip hold
+    MIN_KEY: no answer above lo counts them."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    j = tl.arange(0, FAN).to(tl.int64) + 1
+    # unrolled, enough rounds for every key width, each skipped once the span is one key (a runtime
+    # while loop made ptxas 13 give the kernel a stack frame)
+    for _ in tl.static_range(_rounds_to_one(KEY_BITS + 1, FAN + 1)):
+        if hi - lo > 1:
+            # the last point lies strictly inside (lo, hi): every round narrows it
+            probe = lo + ((hi - lo) * j) // (FAN + 1)
+            # compared in 32 bits: probe < hi <= 2**31, and no key lies below MIN_KEY (the same count there)
+            count = tl.sum((key[None, :] >= tl.maximum(probe, MIN_KEY).to(tl.int32)[:, None]).to(tl.int32), axis=1)
+            # counts fall along the points: those that hold k are the first n_ok
+            n_ok = tl.sum((count >= k).to(tl.int32), axis=0).to(tl.int64)
+            lo, hi = lo + ((hi - lo) * n_ok) // (FAN + 1), tl.where(n_ok < FAN, lo + ((hi - lo) * (n_ok + 1)) // (FAN + 1), hi)
+    return lo
 
 
 @triton.jit
@@ -240,15 +268,14 @@ def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
 @triton.jit
 def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
                      HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-                     PAIRWISE: tl.constexpr, SORTED: tl.constexpr, KEY_BITS: tl.constexpr,
-                     DTYPE: tl.constexpr):
+                     SMALL: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """Top-p and min-p over the kept candidates, then the race; returns (best packed score, exact).
 
     ``restricted``: the kept set is already the top-k set (top-p's softmax is over it). Otherwise
     (no top-k) kept holds every token at or above T, and the result is exact only where what the
-    filters keep provably lies there. Top-p's mass above each token, in a small block: pairwise (one
-    2-D reduction), or with SORTED from the block sorted by key (a cumsum); in a large one: a binary
-    search over keys.
+    filters keep provably lies there. Top-p's threshold, in a small block: from the block sorted by key
+    and a cumsum (pairwise sums over a 2-D tile measured 1.4 us slower at B = 1 on the H200, git 948cd5e);
+    in a large one: a binary search over keys.
     """
     if HAS_TOP_P:
         if top_p < 1.0:
@@ -257,22 +284,18 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
             z = tl.where(restricted, mass, z_row)
             # without top-k, tokens below T have at least this mass above them: they are cut if >= p z
             exact &= restricted | (T == MIN_KEY) | (mass >= top_p * z)
-            if PAIRWISE and SORTED:
-                # Sorted by key, largest first (e rides in the low word: e >= 0, its bits sort as it
-                # does), the mass above position j is the exclusive cumsum. It grows along the order, so
-                # the kept tokens are those at or above the key of the last position where it is < p z
-                # (the first position always: the top group stays, even for p = 0). Ties share a key.
-                ebits = e.to(tl.int32, bitcast=True).to(tl.int64)
-                srt = tl.sort((tl.where(kept, key, MIN_KEY).to(tl.int64) << 32) | ebits, descending=True)
-                skey = (srt >> 32).to(tl.int32)
-                se = (srt & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            if SMALL:
+                # Sorted by key, largest first, the mass above position j is the exclusive cumsum of e
+                # (recomputed from the key: x is a function of it). It grows along the order, so the kept
+                # tokens are those at or above the key of the last position where it is < p z (the first
+                # position always: the top group stays, even for p = 0). Ties share a key. (Sorting the key
+                # with e in the low word of an int64 spilled on Triton 3.9.)
+                skey = tl.sort(tl.where(kept, key, MIN_KEY), descending=True)
+                se = tl.where(skey != MIN_KEY, tl.exp(_x_of_key(skey, DTYPE) - m), 0.0)
                 excl = tl.cumsum(se, axis=0) - se
-                first = tl.arange(0, srt.shape[0]) == 0
+                first = tl.arange(0, skey.shape[0]) == 0
                 t_p = tl.min(tl.where((excl < top_p * z) | first, skey, 2**31 - 1), axis=0)
                 kept &= key >= t_p
-            elif PAIRWISE:
-                above = tl.sum(tl.where(key[None, :] > key[:, None], e[None, :], 0.0), axis=1)
-                kept &= (above < top_p * z) | (above == 0.0)  # the top group stays, even for p = 0
             else:
                 lo = tl.min(tl.where(kept, key, 2**31 - 1), axis=0).to(tl.int64) - 1
                 top = tl.max(tl.where(kept, key, MIN_KEY), axis=0).to(tl.int64)
@@ -545,7 +568,7 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
             ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
-            ROW_BLOCK: tl.constexpr, TOP_P_SORT: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+            ROW_BLOCK: tl.constexpr, PIVOT_FAN: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """Step 2 for one row: from its chunks' candidates (raw-logit keys) to the sampled token."""
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     cc = tl.arange(0, C_BLOCK)
@@ -594,8 +617,12 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
         restricted = tl.full((), 0, tl.int1)  # the kept set is known to lie at or above T
         if HAS_TOP_K:
             if k < V:
-                pivot = _kth_largest(ckey, valid, tl.minimum(k, n_valid), KEY_BITS)
-                exact &= (k <= n_valid) & (pivot >= T)
+                # searched at or above T only (below it the row takes the slow path anyway), under the
+                # key of the row's largest x
+                lo = _kth_largest_in(ckey, tl.minimum(k, n_valid), tl.maximum(T.to(tl.int64), MIN_KEY) - 1,
+                                     _key_of(m, DTYPE).to(tl.int64) + 1, PIVOT_FAN, KEY_BITS)
+                exact &= (k <= n_valid) & (lo >= T)
+                pivot = tl.maximum(lo, MIN_KEY).to(tl.int32)
                 restricted = tl.full((), 1, tl.int1)
         # kept so far: the top-k set, or (no top-k) every token at or above T, all candidates
         kept = valid & (ckey >= tl.maximum(pivot, T))
@@ -621,11 +648,11 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
             best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, True,
-                                           TOP_P_SORT, KEY_BITS, DTYPE)
+                                           KEY_BITS, DTYPE)
         else:
             best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
-                                           False, KEY_BITS, DTYPE)
+                                           KEY_BITS, DTYPE)
         if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
                                   noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
@@ -647,7 +674,7 @@ def _sample_kernel(
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
-    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, TOP_P_SORT: tl.constexpr, KEY_BITS: tl.constexpr,
+    KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PIVOT_FAN: tl.constexpr, KEY_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
@@ -705,7 +732,7 @@ def _sample_kernel(
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
-                KEPT_BLOCK, ROW_BLOCK, TOP_P_SORT, KEY_BITS, DTYPE)
+                KEPT_BLOCK, ROW_BLOCK, PIVOT_FAN, KEY_BITS, DTYPE)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -751,7 +778,7 @@ def sample_triton(
     finish_warps: int | None = None,
     sub: int | None = None,
     gather: int | None = None,
-    top_p_sort: bool = False,
+    pivot_fan: int | None = None,
     step1_only: bool = False,
 ):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
@@ -768,8 +795,7 @@ def sample_triton(
     chunk's CTA; ``kc``, ``groups``: keys per chunk and groups of the first threshold guess (powers of two,
     kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
     re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once;
-    ``top_p_sort``: step 2 finds top-p's threshold in its small block by a sort and a cumsum instead of
-    pairwise sums (same tokens; an option until timed on the GPU).
+    ``pivot_fan``: points counted per round of step 2's search for the top-k pivot.
     ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
     each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
     ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
@@ -814,8 +840,9 @@ def sample_triton(
     warps = warps or chunk_warps(block, key_bits)
     sub = sub or min(sub_block(warps, has_k or has_p or has_m), block)
     gather = gather or gather_steps(warps, slots)
+    pivot_fan = pivot_fan or pivot_fan_for(key_bits)
     for name, value in (("block", block), ("kc", kc), ("slots", slots), ("groups", groups), ("sub", sub),
-                        ("gather", gather)):
+                        ("gather", gather), ("pivot_fan", pivot_fan)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"sample: {name} must be a power of two, got {value}")
     if not kc <= groups <= block or sub > block:
@@ -841,7 +868,8 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev), TOP_P_SORT=bool(top_p_sort),
+        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev),
+        PIVOT_FAN=pivot_fan,
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
@@ -882,7 +910,7 @@ def aot_builds():
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
             SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=B >= 128,  # as uses_pdl on Hopper
-            TOP_P_SORT=False)
+            PIVOT_FAN=pivot_fan_for(key_bits))
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=warps))
