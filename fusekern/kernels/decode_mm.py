@@ -620,6 +620,16 @@ def _check_leaves(x: torch.Tensor, leaves, prog: DecodeProgram) -> None:
 _stages: dict = {}  # (program, config) -> the pipeline depth that fits in shared memory
 
 
+def register_cap(cfg) -> int | None:
+    """A register cap for 4-warp GEMV launches (BLOCK_M = 1) under Triton >= 3.9 only: its ptxas (run with
+    --regAllocOptLevel=2) chose 96 registers and spilled 8 bytes in the nvfp4 M = 1 config; capped at 128
+    it keeps everything in registers. Triton 3.6 (the H200's) gets no cap: its builds are unchanged. A cap
+    cannot change results; tile configs (M = 16) need more than 128 and spill under it."""
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    gemv = getattr(cfg, "BLOCK_M", 0) == 1 and cfg.num_warps == 4
+    return 128 if (major, minor) >= (3, 9) and gemv else None
+
+
 def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
     """Launch with ``cfg.num_stages``, or fewer when a decode's staged loads overflow shared memory
     (the first launch finds out; the depth that fit is remembered for this program and config)."""
@@ -627,7 +637,7 @@ def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
     stages = _stages.get(key, cfg.num_stages)
     while True:
         try:
-            kernel_for(text)[grid](*args, num_stages=stages, **kwargs)
+            kernel_for(text)[grid](*args, num_stages=stages, maxnreg=register_cap(cfg), **kwargs)
             _stages[key] = stages
             return
         except triton.runtime.errors.OutOfResources:
@@ -771,7 +781,7 @@ def aot_builds():
                          f"SPLIT_K={cfg.SPLIT_K}{' swap-AB' if cfg.SWAP_AB else ''} w{cfg.num_warps} "
                          f"s{cfg.num_stages} [{M}x{prog.N}x{prog.K}]")
                 builds.append(TritonBuild("decode_mm", label, kernel_for(text), args, constexprs, cfg.num_warps,
-                                          cfg.num_stages))
+                                          cfg.num_stages, maxnreg=register_cap(cfg)))
     return builds
 
 
