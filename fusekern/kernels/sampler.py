@@ -128,7 +128,7 @@ def pivot_fan_for(key_bits: int) -> int:
 
 
 def kept_block(kc: int) -> int:
-    """The small block the kept tokens move into (top-p then compares them pairwise: block^2 values)."""
+    """The small block the kept tokens move into (top-p sorts it: a power of two, at most 128)."""
     return min(max(kc, 16), 128)
 
 
