@@ -1,10 +1,10 @@
 """Compile Triton kernels for Hopper (sm_90a) on a machine without a GPU, and read their resources.
 
 ``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` builds PTX and a cubin with no driver. Resources are
-read from ``ptxas -v``'s report of Triton's own ptxas run (its flags differ between versions: Triton 3.9
-adds ``--regAllocOptLevel=2``, and plain ``ptxas -v`` on its PTX reported spills that its cubin does not
-have); it reports registers, the stack frame and spill stores/loads. ``cuobjdump -res-usage`` shows the same registers and
-stack but no spill counts, and its LOCAL column stays 0 while a kernel spills (spills live in the stack
+read from ``ptxas -v``'s report of Triton's own ptxas run (its flags differ between versions: Triton
+3.9 adds ``--regAllocOptLevel=2``, and plain ``ptxas -v`` on its PTX reported spills that its cubin does
+not have); it reports registers, the stack frame and spill stores/loads. ``cuobjdump -res-usage`` shows
+the same registers and stack but no spill counts, and its LOCAL column stays 0 while a kernel spills (spills live in the stack
 frame), so it is not enough to prove "no spills". Shared memory is Triton's dynamic allocation (metadata).
 Run with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 """

@@ -625,9 +625,11 @@ def register_cap(cfg) -> int | None:
     --regAllocOptLevel=2) chose 96 registers and spilled 8 bytes in the nvfp4 M = 1 config; capped at 128
     it keeps everything in registers. Triton 3.6 (the H200's) gets no cap: its builds are unchanged. A cap
     cannot change results; tile configs (M = 16) need more than 128 and spill under it."""
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
     gemv = getattr(cfg, "BLOCK_M", 0) == 1 and cfg.num_warps == 4
-    return 128 if (major, minor) >= (3, 9) and gemv else None
+    return 128 if _TRITON_3_9 and gemv else None
+
+
+_TRITON_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)  # read once, not per launch
 
 
 def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
