@@ -127,7 +127,9 @@ def select_config(M: int, N: int, K: int, operand_bytes: int, group_k: int = 0) 
     if group_k:
         block_k = min(block_k, group_k)
     if M <= 16:
-        cfg = Config(16, 64, block_k * 2 if not group_k else block_k, 1, 4, 5)
+        # No remat hints: at this tile the epilogue's re-read cost 8 registers (fp8 rowwise on Triton 3.6,
+        # bf16 + residual on 3.9) and saved none in any case (python -m fusekern.kernels.report).
+        cfg = Config(16, 64, block_k * 2 if not group_k else block_k, 1, 4, 5, remat="off")
     elif M <= 64:
         cfg = Config(64, 64, block_k, 1, 4, 4)
     elif M <= 256:
