@@ -16,8 +16,8 @@ slow path).
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
 own, not inlined), ``finish_4_warps`` /
-``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_4`` / ``fan_16`` (points per round of the
-top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
+``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_2`` / ``fan_4`` / ``fan_16`` (points per round
+of the top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
 threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
@@ -50,7 +50,7 @@ SLOW = """        if not exact:
 """
 BIG = """            best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
-                                           False, KEY_BITS, DTYPE)
+                                           KEY_BITS, DTYPE)
 """
 PIVOT = """                lo = _kth_largest_in(ckey, tl.minimum(k, n_valid), tl.maximum(T.to(tl.int64), MIN_KEY) - 1,
                                      _key_of(m, DTYPE).to(tl.int64) + 1, PIVOT_FAN, KEY_BITS)
@@ -68,6 +68,7 @@ STEP2_VARIANTS = {
     "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
     "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
     "fan_1": fan(1),
+    "fan_2": fan(2),
     "fan_4": fan(4),
     "fan_16": fan(16),
     "noinline_finish": [("@triton.jit\ndef _finish(", "@triton.jit(noinline=True)\ndef _finish(")],

@@ -68,10 +68,11 @@ def test_matches_reference_with_injected_noise(dtype, B, V, block, span, slots, 
 
 
 @pytest.mark.parametrize("variant", [dict(block=64), dict(block=32, span=256), dict(slots=8), "binary_search_top_p",
-                                     dict(pivot_fan=1), dict(pivot_fan=32)], ids=str)
+                                     dict(pivot_fan=1), dict(pivot_fan=4), dict(pivot_fan=32)], ids=str)
 def test_every_path_draws_the_same_tokens(variant, monkeypatch):
     """Other chunk sizes, fast or slow path, top-p by a sort or by binary search, the top-k pivot searched
-    by halves or 32 points a round: the same Philox uniform per (row, token), so the same tokens."""
+    by halves, 4 points a round (counts packed in one int64) or 32 (a 2-D count): the same Philox uniform per
+    (row, token), so the same tokens."""
     logits = make_logits(6, 900, torch.bfloat16, seed=21, scale=0.7)
     params = dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.02, seed=seed_tensor(11))
     base = S.sample_triton(logits, **params, block=128)
@@ -83,7 +84,7 @@ def test_every_path_draws_the_same_tokens(variant, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["top-k", "top-p", "top-k + top-p + min-p", "per row"])
-@pytest.mark.parametrize("pivot_fan", [1, 8])
+@pytest.mark.parametrize("pivot_fan", [1, 2, 4, 8])  # 2 and 4: counts packed in an int64; 8: a 2-D count
 def test_tied_keys_at_the_cuts_match_reference(dtype, name, pivot_fan):
     """Step 2's top-k pivot search and sort-based top-p threshold against the float64 reference, with ties:
     each row's largest 64 logits appear twice, so tied keys straddle the top-k and top-p boundaries."""

@@ -41,7 +41,7 @@ import triton.language as tl
 from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
-KERNEL_VERSION = "sampler-6"
+KERNEL_VERSION = "sampler-7"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
@@ -121,9 +121,12 @@ def gather_steps(warps: int, slots: int) -> int:
 def pivot_fan_for(key_bits: int) -> int:
     """Points per round of step 2's search for the top-k pivot among its candidates (each round counts
     the candidates at or above every point in one reduction and keeps the span between the last point that
-    holds k and the first that does not). 1, a binary search, for 16-bit keys: H200, whole sampler at
-    B = 1 / 32 / 256, 12.4 / 15.2 / 48.0 us against 12.9 / 15.4 / 48.9 with 4 points and 14.4 / 17.3 / 50.4
-    with 16 (`sampler_step2_pivot_fan.csv`). fp32 keys span up to 2**32 values: 4 points a round, untimed."""
+    holds k and the first that does not). 1, a binary search of one count a round, for 16-bit keys: H200,
+    whole sampler at B = 1 / 32 / 256, 12.05 / 14.99 / 47.54 us against 12.91 / 15.45 / 48.49 with 2 points
+    and 12.50 / 15.14 / 48.27 with 4 (counts packed in one int64: fewer rounds, more arithmetic in each),
+    and 12.46 / 15.33 / 47.75 for the previous binary search, whose [1, n] count re-laid the keys out
+    every round (`sampler_step2_fan_packed.csv`). fp32 keys span up to 2**32 values: 4 points a round
+    (8 rounds where one point takes 17 or more), untimed."""
     return 1 if key_bits == 16 else 4
 
 
@@ -207,26 +210,53 @@ def _rounds_to_one(bits, parts):
     return rounds
 
 
+@triton.constexpr_function
+def _count_bits(lanes):
+    """Bits of a field that holds a count of up to `lanes` lanes."""
+    return int(lanes).bit_length()
+
+
 @triton.jit
 def _kth_largest_in(key, k, lo, hi, FAN: tl.constexpr, KEY_BITS: tl.constexpr):
     """The largest t in [lo, hi) with count(key >= t) >= k (lo if none in (lo, hi) has it), given
-    count(key >= hi) < k: a search on counts that cuts [lo, hi) at FAN points per round, all counted in one
-    2-D reduction (a radix select's 256-bin histograms cost ~500 instructions a digit in Triton; H200, git
-    948cd5e, whole sampler at B = 1: 14.3 us against 15.3 with the radix select). Lanes to skip hold
-    MIN_KEY: no answer above lo counts them."""
+    count(key >= hi) < k: a search on counts that cuts [lo, hi) at FAN points per round (a radix select's
+    256-bin histograms cost ~500 instructions a digit in Triton; H200, git 948cd5e, whole sampler at B = 1:
+    14.3 us against 15.3 with the radix select). Each round is one reduction over the lanes, the round
+    trips through shared memory being what it costs: with one point, a count; with a few, their counts
+    packed into the fields of one int64 (each lane adds 1 << field to every point it is at or above);
+    with more than fit, a 2-D reduction. Lanes to skip hold MIN_KEY: no answer above lo counts them."""
+    FIELD: tl.constexpr = _count_bits(key.shape[0])
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
-    j = tl.arange(0, FAN).to(tl.int64) + 1
     # unrolled, enough rounds for every key width, each skipped once the span is one key (a runtime
     # while loop made ptxas 13 give the kernel a stack frame)
     for _ in tl.static_range(_rounds_to_one(KEY_BITS + 1, FAN + 1)):
         if hi - lo > 1:
-            # the last point lies strictly inside (lo, hi): every round narrows it
-            probe = lo + ((hi - lo) * j) // (FAN + 1)
-            # compared in 32 bits: probe < hi <= 2**31, and no key lies below MIN_KEY (the same count there)
-            count = tl.sum((key[None, :] >= tl.maximum(probe, MIN_KEY).to(tl.int32)[:, None]).to(tl.int32), axis=1)
-            # counts fall along the points: those that hold k are the first n_ok
-            n_ok = tl.sum((count >= k).to(tl.int32), axis=0).to(tl.int64)
+            # the points lie strictly inside (lo, hi): every round narrows it. Keys are compared in 32
+            # bits: a point < hi <= 2**31, and no key lies below MIN_KEY (the same count there). Counts
+            # fall along the points: those that hold k are the first n_ok.
+            if FAN == 1:
+                # (The 2-D form with one point re-laid the keys out through shared memory in every round,
+                # inside its `if`: five barriers a round instead of three.)
+                probe = lo + (hi - lo) // 2
+                count = tl.sum((key >= tl.maximum(probe, MIN_KEY).to(tl.int32)).to(tl.int32), axis=0)
+                n_ok = (count >= k).to(tl.int64)
+            elif FAN * FIELD <= 64:
+                packed = tl.zeros(key.shape, tl.int64)
+                for f in tl.static_range(FAN):
+                    probe = lo + ((hi - lo) * (f + 1)) // (FAN + 1)
+                    above = key >= tl.maximum(probe, MIN_KEY).to(tl.int32)
+                    packed += above.to(tl.int64) << (FIELD * f)
+                counts = tl.sum(packed, axis=0)
+                n_ok = tl.zeros((), tl.int64)
+                for f in tl.static_range(FAN):
+                    n_ok += (((counts >> (FIELD * f)) & ((1 << FIELD) - 1)) >= k).to(tl.int64)
+            else:
+                j = tl.arange(0, FAN).to(tl.int64) + 1
+                probe = lo + ((hi - lo) * j) // (FAN + 1)
+                count = tl.sum((key[None, :] >= tl.maximum(probe, MIN_KEY).to(tl.int32)[:, None]).to(tl.int32),
+                               axis=1)
+                n_ok = tl.sum((count >= k).to(tl.int32), axis=0).to(tl.int64)
             lo, hi = lo + ((hi - lo) * n_ok) // (FAN + 1), tl.where(n_ok < FAN, lo + ((hi - lo) * (n_ok + 1)) // (FAN + 1), hi)
     return lo
 

@@ -31,7 +31,7 @@ from fusekern.kernels.remat import block_index, remat_flags
 from fusekern.kernels.w8a16_linear import _tile_coords  # grouped tile order, shared with the W8A16 GEMM
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "scaled_mm-1"
+KERNEL_VERSION = "scaled_mm-2"
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 EIGHT_BIT_DTYPES = (*FP8_DTYPES, torch.int8)
