@@ -157,6 +157,23 @@ def test_kernel_matches_reference(dtype):
                 assert torch.equal(got.cpu(), want.cpu()), (T_ is None, b is None, m is None, block, split)
 
 
+def test_combine_over_more_chunks_than_one_read_holds():
+    """More than 1024 chunks a row: the last program combines them 1024 at a time, in order (a tie
+    across reads goes to the earlier chunk, the first NaN wins)."""
+    B, V = 6, 2600
+    x = logits_of(B, V, torch.float32, seed=5)  # row 2: all -inf, token 0
+    x[5, :] = -1.0
+    x[5, 1000], x[5, 2300] = -0.0, 0.0     # -0 and +0 tie: the first
+    x[1, :] = 0.5                          # all tied: token 0, in the first read
+    x[1, 2100] = float("nan")              # a NaN in the third read
+    x[3, 2200] = x[3].max() + 1            # the winner in the third read
+    x[4, 2200] = x[4].max() + 1
+    x[4, 5] = x[4, 2200]                   # tied with one in the first read: the first wins
+    got = ma.masked_argmax_triton(x, None, None, None, block=2, split=1300)
+    want = [x[0].argmax().item(), 2100, 0, 2200, 5, 1000]
+    assert got.cpu().tolist() == ma.masked_argmax_reference(x).cpu().tolist() == want
+
+
 def test_kernel_registers_and_report():
     builds = ma.aot_builds()
     assert {b.kernel for b in builds} == {"masked_argmax"}

@@ -24,7 +24,7 @@ from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.split_counters import split_counters
 
-KERNEL_VERSION = "masked_argmax-2"
+KERNEL_VERSION = "masked_argmax-3"
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -64,11 +64,16 @@ def _chunk_argmax(x_row, t, banned_ptr, mask_ptr, row, lo, hi, V, n_banned, stri
 
 
 @triton.jit
+def _max_and_min(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.minimum(a1, b1)
+
+
+@triton.jit
 def masked_argmax_kernel(
     x_ptr, t_ptr, t_scalar, banned_ptr, mask_ptr, out_ptr, ws_v_ptr, ws_i_ptr, cnt_ptr,
     V, CHUNK, SPLIT, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
     HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT_ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
     """Program (row, part) finds the argmax of the row's chunk [part * CHUNK, (part + 1) * CHUNK). With
     SPLIT_ROWS (SPLIT > 1 programs per row) the last of a row's programs to finish combines the chunks
@@ -105,18 +110,27 @@ def masked_argmax_kernel(
         tl.store(ws_i_ptr + 2 * slot + 1, nan_i)
         tl.debug_barrier()  # the chunk's result is written before the count (release below)
         if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            # chunks in order, strictly greater wins: a row of -inf keeps token 0 (chunk 0's answer too)
-            best_v = tl.full((), -float("inf"), tl.float32)
-            best_i = tl.full((), 0, tl.int32)
+            # The largest value, ties to the lowest token: the first chunk holding it, as chunks in order with
+            # strictly greater winning (each chunk's token is its lowest); a row of -inf gives chunk 0's start,
+            # token 0. As one max over (order-preserving key of the value, complement of the token) and one
+            # min over the chunks' first NaNs, in one reduction; SPLIT_BLOCK chunks at a time, their loads in
+            # flight together (one chunk per iteration made SPLIT dependent round trips to L2: 63 at B = 1).
+            best = tl.full((), -(2**63), tl.int64)
             first_nan = tl.full((), 0, tl.int32) + V
-            for s in range(SPLIT):
-                at = row * SPLIT + s
-                vs = tl.load(ws_v_ptr + at, cache_modifier=".cg")
-                is_ = tl.load(ws_i_ptr + 2 * at, cache_modifier=".cg")
-                first_nan = tl.minimum(first_nan, tl.load(ws_i_ptr + 2 * at + 1, cache_modifier=".cg"))
-                better = vs > best_v
-                best_i = tl.where(better, is_, best_i)
-                best_v = tl.where(better, vs, best_v)
+            lanes = tl.arange(0, SPLIT_BLOCK)
+            for s0 in range(0, SPLIT, SPLIT_BLOCK):
+                at = row * SPLIT + s0 + lanes
+                here = s0 + lanes < SPLIT
+                vs = tl.load(ws_v_ptr + at, mask=here, other=-float("inf"), cache_modifier=".cg")
+                is_ = tl.load(ws_i_ptr + 2 * at, mask=here, other=V, cache_modifier=".cg")
+                nans = tl.load(ws_i_ptr + 2 * at + 1, mask=here, other=V, cache_modifier=".cg")
+                bits = tl.where(vs == 0.0, 0.0, vs).to(tl.int32, bitcast=True)  # -0 ties +0, as compared
+                key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats (no NaN here)
+                packed = (key.to(tl.int64) << 32) | (0xFFFFFFFF - is_.to(tl.int64))
+                top, nan_s = tl.reduce((packed, nans), 0, _max_and_min)
+                best = tl.maximum(best, top)
+                first_nan = tl.minimum(first_nan, nan_s)
+            best_i = (0xFFFFFFFF - (best & 0xFFFFFFFF)).to(tl.int32)
             tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
             tl.store(out_ptr + row, tl.where(first_nan < V, first_nan, best_i).to(tl.int64))
 
@@ -147,8 +161,13 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     block = min(block, next_power_of_2(V))
     blocks = cdiv(V, block)
     if split is None:
-        split = cdiv(2 * sm_count(logits.device), max(B, 1))
+        most = 2 * sm_count(logits.device)
+        split = cdiv(most, max(B, 1))
+    else:
+        most = split
     split = max(1, min(split, blocks))
+    # chunks the combine reads at once: a bound that does not depend on the batch (no compile per B)
+    split_block = min(next_power_of_2(max(1, min(most, blocks))), 1024)
     chunk = cdiv(blocks, split) * block
     split = cdiv(V, chunk)  # no empty chunk
     if split > 1:
@@ -161,7 +180,8 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
         ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
         HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
-        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, num_warps=8 if block >= 2048 else 4,
+        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, SPLIT_BLOCK=split_block,
+        num_warps=8 if block >= 2048 else 4,
     )
     return out
 
@@ -225,5 +245,5 @@ def aot_builds():
     for label, flags in (("T tensor + banned ids", dict(HAS_T=True, T_TENSOR=True, HAS_BANNED=True, HAS_MASK=False)),
                          ("T scalar + bool mask", dict(HAS_T=True, T_TENSOR=False, HAS_BANNED=False, HAS_MASK=True))):
         out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 rows split {label}", masked_argmax_kernel,
-                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT_ROWS=True), 8, 3))
+                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT_ROWS=True, SPLIT_BLOCK=64), 8, 3))
     return out
