@@ -126,7 +126,7 @@ def pivot_fan_for(key_bits: int) -> int:
     and 12.50 / 15.14 / 48.27 with 4 (counts packed in one int64: fewer rounds, more arithmetic in each),
     and 12.46 / 15.33 / 47.75 for the previous binary search, whose [1, n] count re-laid the keys out
     every round (`sampler_step2_fan_packed.csv`). fp32 keys span up to 2**32 values: 4 points a round
-    (8 rounds where one point takes 17 or more), untimed."""
+    (at most 15 rounds where one point takes 33), untimed."""
     return 1 if key_bits == 16 else 4
 
 
