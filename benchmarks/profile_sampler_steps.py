@@ -19,8 +19,8 @@ own, not inlined), ``finish_4_warps`` /
 ``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_2`` / ``fan_4`` / ``fan_16`` (points per round
 of the top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
 threshold), ``no_compact`` (the kept tokens are not moved into the small
-block through the slots), ``scalar_cand_loads`` (the candidates loaded one per lane: the move without layout
-conversions), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
+block through the slots), ``vector_cand_loads`` (sampler-7's vectorized load of the candidates, which the
+move had to re-lay out three times; sampler-8 loads them one per lane), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
 slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
 block: how much the code not run costs). ``step1`` is step 1 alone,
 ``top_k_only`` the full sampler without top-p, ``before`` benchmarks/_sampler_before.py where present.
@@ -76,11 +76,10 @@ STEP2_VARIANTS = {
     "noinline_chunks": [("@triton.jit\ndef _chunk_candidates(", "@triton.jit(noinline=True)\ndef _chunk_candidates(")],
     "no_pivot": [(PIVOT, "                lo = T.to(tl.int64)\n")],
     "no_compact": [("            tl.store(cand_ptr + own, cand, mask=kept)\n", "")],
-    # the candidates loaded one per lane (a multiplier Triton cannot prove is 1 hides their contiguity):
-    # every tensor of the merge then has the layout of the kept tokens' scatter, and its three layout
-    # conversions through shared memory go (172 -> 167 barriers in the SASS)
-    "scalar_cand_loads": [("        cj = row.to(tl.int64) * C * SLOTS + j\n",
-                           "        cj = row.to(tl.int64) * C * SLOTS + j * (V > 0).to(tl.int64)\n")],
+    # sampler-7's vector load of the candidates: the merge's tensors then need three layout conversions
+    # through shared memory to reach the kept tokens' scatter (167 -> 172 barriers in the SASS)
+    "vector_cand_loads": [("        cj = row.to(tl.int64) * C * SLOTS + j * (V > 0).to(tl.int64)\n",
+                           "        cj = row.to(tl.int64) * C * SLOTS + j\n")],
     "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
     "no_slow": [(SLOW, "")],
     "no_slow_big": [(SLOW, ""), (BIG, "            best = tl.full((), -1, tl.int64)\n")],
