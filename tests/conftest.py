@@ -29,5 +29,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    # a fresh match report too: a test that reads it must not see the patterns earlier tests fired
+    # (the GPU run's shards order tests differently from a plain run)
+    import fusekern
+
     torch._dynamo.reset()
+    fusekern.reset_match_report()
     yield
