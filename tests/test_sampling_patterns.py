@@ -142,6 +142,22 @@ def test_manual_seed_reproduces_a_run():
     assert torch.equal(a, b) and not torch.equal(b, c)
 
 
+def test_the_rewrite_leaves_no_random_op_in_the_graph():
+    """The op draws its own seed (on CUDA beside its first step): no randint node, which inductor lowered
+    to two launches before the sampler's."""
+    from fusekern.testing.equivalence import GraphCapture
+
+    capture = GraphCapture()
+    f = compiled(lambda x: gpt_fast(x, 0.8, 20), options={"post_grad_custom_post_pass": capture})
+    with torch.no_grad():
+        f(torch.randn(4, 100, device=DEVICE))
+    assert fired() == {"sample": 1}
+    targets = set().union(*capture.targets)
+    assert "fusekern.sample.default" in targets
+    random = {t for t in targets if "rand" in t or "seed" in t or "exponential" in t}
+    assert not random, random
+
+
 def test_nan_and_inf_rows_give_token_0_like_the_original():
     logits = torch.randn(3, 50, device=DEVICE)
     logits[0, 7] = float("nan")

@@ -136,11 +136,12 @@ def masked_argmax_kernel(
 
 
 def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
-                         mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
+                         warps: int | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
     value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
     ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
-    about two per SM)."""
+    about two per SM); warps: of each program (default: 8 for blocks of 2048 and more, else 4)."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -181,7 +182,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
         HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
         DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, SPLIT_BLOCK=split_block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=warps or (8 if block >= 2048 else 4),
     )
     return out
 
