@@ -42,10 +42,18 @@ def styles(B: int, device="cuda"):
     }
 
 
+_kept = {"logits": None, "masks": {}}  # float64 kept masks per filter set, for the batch's logits in hand
+
+
 def in_kept_set(logits, tokens, filters) -> bool:
-    x = (logits.float() / T).to(logits.dtype).double().cpu()
-    kept = S.kept_mask(x, filters.get("top_k"), filters.get("top_p"), None)
-    return bool(kept.gather(-1, tokens.long().reshape(-1, 1).cpu()).all())
+    # the float64 kept mask takes seconds on the CPU at B = 512: computed once per batch and filter set
+    if _kept["logits"] is not logits:
+        _kept["logits"], _kept["masks"] = logits, {}
+    key = tuple(sorted(filters.items()))
+    if key not in _kept["masks"]:
+        x = (logits.float() / T).to(logits.dtype).double().cpu()
+        _kept["masks"][key] = S.kept_mask(x, filters.get("top_k"), filters.get("top_p"), None)
+    return bool(_kept["masks"][key].gather(-1, tokens.long().reshape(-1, 1).cpu()).all())
 
 
 def main():

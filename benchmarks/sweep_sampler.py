@@ -28,7 +28,7 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 def configs(B: int):
     """CTAs per row (the span), candidate slots per chunk and steps gathered at once (2048-token steps on
     4 warps, 4 tokens per thread in the passes that re-read a chunk)."""
-    grid = {1: ((16, 32), (64, 128), (None,)), 8: ((8, 16, 32), (64, 128), (None,)),
+    grid = {1: ((8, 12, 16, 24), (64, 128), (None,)), 8: ((8, 12, 16, 24), (64, 128), (None,)),
             32: ((8, 16), (64, 128), (None, 16)), 256: ((3, 4, 6), (128,), (8, 16, 32)),
             512: ((1, 2, 3), (128,), (8, 16))}
     ctas_list, slots_list, gathers = grid.get(B, ((1, 2, 4), (128,), (None,)))
