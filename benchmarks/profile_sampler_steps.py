@@ -64,8 +64,8 @@ def fan(n: int):
 
 STEP2_VARIANTS = {
     "full": [],
-    "no_pdl": [("PDL=uses_pdl(B, dev)", "PDL=False")],
-    "pdl": [("PDL=uses_pdl(B, dev)", "PDL=supports_pdl(dev)")],
+    "no_pdl": [("    pdl = uses_pdl(B, dev)\n", "    pdl = False\n")],
+    "pdl": [("    pdl = uses_pdl(B, dev)\n", "    pdl = supports_pdl(dev)\n")],
     "finish_4_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 4")],
     "finish_16_warps": [("num_warps=finish_warps or finish_warps_for(key_bits)", "num_warps=finish_warps or 16")],
     "fan_1": fan(1),

@@ -133,3 +133,26 @@ def test_sampler_under_cuda_graphs_draws_fresh_numbers_and_reproduces_by_seed():
     assert dict(fusekern.match_report().fired()) == {"sample": 1}
     assert not torch.equal(outs[2], outs[3]), "a CUDA-graph replay repeated the previous draws"
     assert torch.equal(a, b), "torch.manual_seed did not reproduce the draws"
+
+
+def test_sampler_seed_drawn_beside_step_1_under_a_cuda_graph():
+    """seed=None with a filter: the seed's draw runs on a side stream joined back before step 2. Captured
+    in a CUDA graph it is part of the graph: replays draw fresh numbers, and every token is a kept one."""
+    from fusekern.kernels import sampler as S
+
+    logits = (torch.randn(64, 5000, device="cuda") * 0.3).to(torch.bfloat16)
+    out = torch.full((64,), -1, dtype=torch.int64, device="cuda")
+    S.sample_triton(logits, 0.9, 100, 0.95, seed=None, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        S.sample_triton(logits, 0.9, 100, 0.95, seed=None, out=out)
+    draws = []
+    for _ in range(3):
+        out.fill_(-1)
+        graph.replay()
+        draws.append(out.clone())
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    x = (logits.float() / 0.9).to(logits.dtype).double().cpu()
+    kept = S.kept_mask(x, 100, 0.95, None)
+    assert kept.gather(1, torch.stack(draws).T.cpu()).all()

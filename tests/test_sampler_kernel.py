@@ -254,6 +254,24 @@ def test_seed_reproduces_and_changes_the_draws():
     assert not torch.equal(a, c)
 
 
+@pytest.mark.parametrize("filters", [dict(top_k=60), dict()], ids=["filtered (seed drawn beside step 1)",
+                                                                  "temperature only (drawn before)"])
+def test_seed_none_draws_from_torch_generator(filters):
+    """seed=None: the launcher draws the seed from torch's generator (on CUDA with a filter, on a side
+    stream while step 1 runs): manual_seed reproduces the draws, the next call draws new ones, and every
+    token is one the filters keep."""
+    logits = make_logits(64, 200, torch.bfloat16, seed=5, scale=0.3)
+    torch.manual_seed(11)
+    a = S.sample_triton(logits, 1.0, **filters, seed=None, block=128)
+    b = S.sample_triton(logits, 1.0, **filters, seed=None, block=128)
+    torch.manual_seed(11)
+    c = S.sample_triton(logits, 1.0, **filters, seed=None, block=128)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+    kept = S.kept_mask(logits.double().cpu(), filters.get("top_k"), None, None)
+    assert kept.gather(1, torch.stack([a, b]).T.cpu()).all()
+
+
 def test_special_values():
     V = 40
     inf = float("inf")

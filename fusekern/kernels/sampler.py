@@ -724,7 +724,6 @@ def _sample_kernel(
     top_p = _row_param(topp_ptr, top_p, stride_p, row, P_PER_ROW, tl.float32)
     min_p = _row_param(minp_ptr, min_p, stride_m, row, M_PER_ROW, tl.float32)
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
-    seed = tl.load(seed_ptr)
     if not FINISH:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -745,6 +744,7 @@ def _sample_kernel(
             tl.store(thr_ptr + at, t_c)
             tl.store(cnt_ptr + at, n_sel)
         else:  # temperature only: the race over the whole chunk
+            seed = tl.load(seed_ptr)
             top = tl.full((), MIN_KEY, tl.int32)
             nan = tl.zeros((), tl.int32)
             win = tl.full((), -1, tl.int64)
@@ -762,6 +762,7 @@ def _sample_kernel(
     else:  # ---- 2. the row, from its chunks' candidates
         if PDL:
             tl.extra.cuda.gdc_wait()
+        seed = tl.load(seed_ptr)  # with a filter, written while step 1 ran (see sample_triton)
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
@@ -792,6 +793,17 @@ def _clamp_k(k) -> int:
     return int(min(max(k, 1), 2**31 - 1))
 
 
+_seed_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _seed_stream(dev: torch.device) -> torch.cuda.Stream:
+    """A side stream per device for the seed's draw."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _seed_streams:
+        _seed_streams[index] = torch.cuda.Stream(index)
+    return _seed_streams[index]
+
+
 def sample_triton(
     logits: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
@@ -799,7 +811,7 @@ def sample_triton(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     *,
-    seed: torch.Tensor,
+    seed: torch.Tensor | None,
     noise: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block: int | None = None,
@@ -820,7 +832,10 @@ def sample_triton(
     none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
     arguments: changing them neither recompiles nor launches a fill). ``seed``: an int64 tensor of one
     element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
-    advances on every CUDA-graph replay). Runs on CUDA, and on CPU under TRITON_INTERPRET=1.
+    advances on every CUDA-graph replay), or None: drawn here from torch's generator, with a filter on a
+    side stream while step 1 runs (step 1 needs no seed then; in a CUDA graph the draw leaves the critical
+    path, where a randint node before the op cost inductor two launches). Runs on CUDA, and on CPU under
+    TRITON_INTERPRET=1.
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. Tuning knobs (defaults from the heuristics
     above): ``block``: tokens per step of a chunk; ``span``: tokens per chunk (a multiple of ``block``);
@@ -836,7 +851,7 @@ def sample_triton(
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"sample: logits must be bf16/fp16/fp32, got {logits.dtype}")
-    if seed.numel() != 1 or seed.dtype != torch.int64:
+    if seed is not None and (seed.numel() != 1 or seed.dtype != torch.int64):
         raise ValueError(f"sample: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
     B, V = logits.shape
     if out is None:
@@ -881,6 +896,13 @@ def sample_triton(
     if not kc <= groups <= block or sub > block:
         raise ValueError(f"sample: need kc <= groups <= block and sub <= block, got {kc}, {groups}, {block}, {sub}")
     C = cdiv(V, span)
+    pdl = uses_pdl(B, dev)
+    # (not beside a programmatic dependent launch: a wait between the two launches would sit in its way)
+    drawn_aside = seed is None and dev.type == "cuda" and (has_k or has_p or has_m) and not pdl
+    if seed is None:
+        seed = torch.empty(1, dtype=torch.int64, device=dev)
+        if not drawn_aside:  # step 1 races with it (no filter), PDL, or the interpreter runs on the CPU
+            seed.random_(0, 2**62)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
     best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
@@ -901,12 +923,19 @@ def sample_triton(
         M_PER_ROW=minp is not None, HAS_TOP_K=has_k, HAS_TOP_P=has_p, HAS_MIN_P=has_m,
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
-        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=uses_pdl(B, dev),
+        KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=pdl,
         PIVOT_FAN=pivot_fan,
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
+    if drawn_aside:
+        cur, side = torch.cuda.current_stream(dev), _seed_stream(dev)
+        side.wait_stream(cur)  # the seed's memory may be in use by work queued before
+        with torch.cuda.stream(side):
+            seed.random_(0, 2**62)
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
+    if drawn_aside:
+        cur.wait_stream(side)
     if step1_only:
         return i32[0], i32[1], cand.view(B, C, slots)
     pdl = {"launch_pdl": True} if meta["PDL"] else {}  # only compiled kernels take the option
@@ -1040,12 +1069,12 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
 # Plain dispatcher API (define + per-device impl + fake), as for w8a16_linear: custom_op's Python
 # wrappers cost more CPU per call than this kernel runs. Inference only (no autograd kernel).
 # A parameter is a tensor (1 or B values) or a scalar; the scalar's "none" values: top_k >= V,
-# top_p >= 1, min_p <= 0.
+# top_p >= 1, min_p <= 0. seed None: the op draws it from torch's generator (the rewrite passes None).
 
 torch.library.define(
     "fusekern::sample",
     "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? top_k, SymInt top_k_scalar, "
-    "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor seed) -> Tensor",
+    "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor? seed) -> Tensor",
 )
 
 NO_TOP_K = 2**31 - 1
@@ -1072,6 +1101,8 @@ def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, t
 @torch.library.impl("fusekern::sample", "CPU")
 def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
                 min_p, min_p_scalar, seed):
+    if seed is None:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
     return sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
                                           top_p_scalar, min_p, min_p_scalar), seed=seed)
 

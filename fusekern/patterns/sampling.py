@@ -679,11 +679,10 @@ def _replace(graph: Graph, m: SamplerMatch) -> None:
         if lv.dim() != 2:
             flat = graph.call_function(aten.reshape.default, (m.logits, [-1, V]))
             flat.meta["val"] = _fake(lambda t: t.reshape(-1, V), m.logits)
-        # The seed comes from torch's generator: manual_seed reproduces a run, CUDA-graph replays advance it.
-        seed = graph.call_function(aten.randint.low, (0, 2**62, [1]), {"dtype": torch.int64, "device": lv.device})
-        seed.meta["val"] = _fake(lambda t: torch.empty(1, dtype=torch.int64, device=t.device), m.logits)
+        # seed None: the op draws it from torch's generator (manual_seed reproduces a run, CUDA-graph replays
+        # advance it), on CUDA while its first step runs; a randint node here cost inductor two launches
         args = (flat, *_tensor_or_scalar(m.temperature, 1.0), *_tensor_or_scalar(m.top_k, kernel.NO_TOP_K),
-                *_tensor_or_scalar(m.top_p, 1.0), *_tensor_or_scalar(m.min_p, 0.0), seed)
+                *_tensor_or_scalar(m.top_p, 1.0), *_tensor_or_scalar(m.min_p, 0.0), None)
         tokens = graph.call_function(kernel.sample.default, args)
         tokens.meta["val"] = _fake(kernel.sample, *args)
         out = graph.call_function(aten.reshape.default, (tokens, list(_val(m.output).shape)))
