@@ -1,7 +1,7 @@
 """Sweep of the greedy-with-mask kernel's launch shapes (issue 5, pattern 4: V = 128256, bf16 logits,
 temperature per row, 16 banned ids per row).
 
-    python benchmarks/sweep_greedy_mask.py [--csv OUT.csv] [--batches 32,256,512]
+    python benchmarks/sweep_greedy_mask.py [--csv OUT.csv] [--batches 32,256,512] [--warps-only]
 
 Per batch: tokens per step (block), warps per program and programs per row (the default split, and two
 and four times it). Every config's tokens must equal the reference's (masked_argmax_reference); times are
@@ -27,6 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--batches", default="32,256,512")
+    ap.add_argument("--warps-only", action="store_true", help="the default block and split, 4 and 8 warps")
     args = ap.parse_args()
     meta = versions()
     warm_up_clocks()
@@ -39,9 +40,10 @@ def main():
         want = ma.masked_argmax_reference(logits, T, ids)
         default_split = cdiv(2 * sm_count(logits.device), B)
         best = None
-        for block, warps, mult in itertools.product((2048, 4096, 8192), (4, 8), (1, 2, 4)):
+        shapes = ((2048,), (4, 8), (1,)) if args.warps_only else ((2048, 4096, 8192), (4, 8), (1, 2, 4))
+        for block, warps, mult in itertools.product(*shapes):
             cfg = dict(block=block, warps=warps, split=default_split * mult)
-            tag = "default" if (block, mult) == (2048, 1) and warps == 8 else ""
+            tag = "default" if (block, mult) == (2048, 1) and warps == 4 else ""
             try:
                 got = ma.masked_argmax_triton(logits, T, ids, **cfg)
                 exact = torch.equal(got, want.to(got.device))

@@ -1,6 +1,10 @@
 """Sweep of the fused sampler's launch shapes (issue 5's setting: V = 128256, bf16, T 0.8, top-k 50, top-p 0.9).
 
     python benchmarks/sweep_sampler.py [--csv OUT.csv] [--bs 1,8,32,256,512] [--profile] [--default-only]
+                                       [--block-warps 4096:8,8192:16]
+
+``--block-warps``: instead of the grid below, the default span and slots with each block:warps pair (tokens
+per step of a chunk and warps of its CTA; sub and gather follow the launcher's heuristics).
 
 With benchmarks/_sampler_before.py present (an older sampler.py without its custom-op section, untracked)
 its default launch is timed in the same run for an A/B comparison.
@@ -44,6 +48,7 @@ def main():
     ap.add_argument("--bs", default="1,8,32,256,512")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--default-only", action="store_true", help="time the shipped heuristics' config only")
+    ap.add_argument("--block-warps", default=None, help="block:warps pairs at the default span and slots")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -64,7 +69,12 @@ def main():
                        sub=min(S.sub_block(S.chunk_warps(block)), block),
                        slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span), K))
         best = None
-        for cfg in [default] if args.default_only else [default, *configs(B)]:
+        if args.block_warps:
+            others = [dict(default, block=int(b), warps=int(w), sub=min(S.sub_block(int(w)), int(b)))
+                      for b, w in (pair.split(":") for pair in args.block_warps.split(","))]
+        else:
+            others = [] if args.default_only else list(configs(B))
+        for cfg in [default, *others]:
             try:
                 got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()
                 exact = got == want
