@@ -135,14 +135,22 @@ def masked_argmax_kernel(
             tl.store(out_ptr + row, tl.where(first_nan < V, first_nan, best_i).to(tl.int64))
 
 
+def warps_for(B: int, device: torch.device) -> int:
+    """Warps per program: 8 while rows are fewer than SMs (each program reads a few blocks of a split row),
+    4 from there (whole rows, or halves, loop over many blocks). H200 sweeps at 2048-token blocks, default
+    split: B = 1 / 8 / 32 4.86 / 5.72 / 11.41 us with 8 against 5.20 / 6.12 / 12.05 with 4
+    (`greedy_mask_warps.csv`); B = 256 / 512 48.4 / 90.8 with 4 against 60.1 / 107.4 with 8
+    (`greedy_mask_sweep.csv`). Neither spills on Triton 3.6 or 3.9."""
+    return 8 if B < sm_count(device) else 4
+
+
 def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
                          warps: int | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
     value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
     ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
-    about two per SM); warps: of each program (default 4: H200 sweep, `greedy_mask_sweep.csv`, B = 256 / 512:
-    48.4 / 90.8 us against 60.1 / 107.4 with 8; since masked_argmax-3 no spill at 4 on Triton 3.6 or 3.9)."""
+    about two per SM); warps: of each program (default: see warps_for)."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -183,7 +191,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
         HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
         DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, SPLIT_BLOCK=split_block,
-        num_warps=warps or 4,
+        num_warps=warps or warps_for(B, logits.device),
     )
     return out
 
@@ -246,6 +254,8 @@ def aot_builds():
     out = []
     for label, flags in (("T tensor + banned ids", dict(HAS_T=True, T_TENSOR=True, HAS_BANNED=True, HAS_MASK=False)),
                          ("T scalar + bool mask", dict(HAS_T=True, T_TENSOR=False, HAS_BANNED=False, HAS_MASK=True))):
-        out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 rows split {label}", masked_argmax_kernel,
-                               base, dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT_ROWS=True, SPLIT_BLOCK=64), 4, 3))
+        for warps in (8, 4):  # small batches, large ones (warps_for)
+            out.append(TritonBuild("masked_argmax", f"bf16 V={V} BLOCK=2048 rows split {label} {warps} warps",
+                                   masked_argmax_kernel, base,
+                                   dict(flags, DTYPE=tl.bfloat16, BLOCK=2048, SPLIT_ROWS=True, SPLIT_BLOCK=64), warps, 3))
     return out
