@@ -272,6 +272,15 @@ def test_seed_none_draws_from_torch_generator(filters):
     assert kept.gather(1, torch.stack([a, b]).T.cpu()).all()
 
 
+def test_int32_out_holds_the_same_tokens():
+    logits = make_logits(6, 300, torch.bfloat16, seed=8, scale=0.5)
+    out = torch.full((6,), -1, dtype=torch.int32, device=DEVICE)
+    got = S.sample_triton(logits, 0.9, 40, 0.9, seed=seed_tensor(3), block=128, out=out)
+    want = S.sample_triton(logits, 0.9, 40, 0.9, seed=seed_tensor(3), block=128)
+    assert got is out and got.dtype == torch.int32
+    assert got.tolist() == want.tolist()
+
+
 def test_special_values():
     V = 40
     inf = float("inf")

@@ -826,7 +826,7 @@ def sample_triton(
     pivot_fan: int | None = None,
     step1_only: bool = False,
 ):
-    """Sample one token per row of ``logits`` [B, V]; returns int64 [B].
+    """Sample one token per row of ``logits`` [B, V]; returns int64 [B] (or ``out``: int64 or int32 [B]).
 
     ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None or >= 1:
     none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
@@ -856,8 +856,8 @@ def sample_triton(
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    elif out.shape != (B,) or out.dtype != torch.int64:
-        raise ValueError(f"sample: out must be int64 ({B},), got {out.dtype} {tuple(out.shape)}")
+    elif out.shape != (B,) or out.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"sample: out must be int64 or int32 ({B},), got {out.dtype} {tuple(out.shape)}")
     if B == 0:
         return out
     if V == 0:
@@ -1070,11 +1070,13 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
 # wrappers cost more CPU per call than this kernel runs. Inference only (no autograd kernel).
 # A parameter is a tensor (1 or B values) or a scalar; the scalar's "none" values: top_k >= V,
 # top_p >= 1, min_p <= 0. seed None: the op draws it from torch's generator (the rewrite passes None).
+# out_dtype: int64 (None) or int32, written by the kernel (gpt-fast casts its token to int32).
 
 torch.library.define(
     "fusekern::sample",
     "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? top_k, SymInt top_k_scalar, "
-    "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor? seed) -> Tensor",
+    "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor? seed, "
+    "ScalarType? out_dtype=None) -> Tensor",
 )
 
 NO_TOP_K = 2**31 - 1
@@ -1092,27 +1094,31 @@ def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
 
 @torch.library.impl("fusekern::sample", "CUDA")
 def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                 min_p, min_p_scalar, seed):
+                 min_p, min_p_scalar, seed, out_dtype=None):
     """One token per row: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, fused."""
+    out = torch.empty(logits.shape[0], dtype=out_dtype or torch.int64, device=logits.device)
     return sample_triton(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
-                                           top_p_scalar, min_p, min_p_scalar), seed=seed)
+                                           top_p_scalar, min_p, min_p_scalar), seed=seed, out=out)
 
 
 @torch.library.impl("fusekern::sample", "CPU")
 def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                min_p, min_p_scalar, seed):
+                min_p, min_p_scalar, seed, out_dtype=None):
     if seed is None:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    return sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
-                                          top_p_scalar, min_p, min_p_scalar), seed=seed)
+    tokens = sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
+                                            top_p_scalar, min_p, min_p_scalar), seed=seed)
+    return tokens.to(out_dtype or torch.int64)
 
 
 @torch.library.register_fake("fusekern::sample")
 def _sample_fake(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                 min_p, min_p_scalar, seed):
+                 min_p, min_p_scalar, seed, out_dtype=None):
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+    if out_dtype not in (None, torch.int64, torch.int32):
+        raise ValueError(f"sample: out_dtype must be int64 or int32, got {out_dtype}")
+    return logits.new_empty((logits.shape[0],), dtype=out_dtype or torch.int64)
 
 
 sample = torch.ops.fusekern.sample

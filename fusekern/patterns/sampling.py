@@ -671,9 +671,22 @@ def _tensor_or_scalar(value, off):
     return None, off if value is None else value
 
 
+def _int32_cast_of(output: Node) -> Node | None:
+    """The output's only user where that user only casts it to int32 (gpt-fast's ``.to(torch.int)``): the
+    op then writes int32 itself, and the cast's launch goes."""
+    if len(output.users) != 1:
+        return None
+    (user,) = output.users
+    if _is(user, prims.convert_element_type.default) and user.args[1] == torch.int32 and not user.kwargs:
+        return user
+    return None
+
+
 def _replace(graph: Graph, m: SamplerMatch) -> None:
     lv = _val(m.logits)
     V = lv.shape[-1]
+    cast = _int32_cast_of(m.output)
+    result = cast if cast is not None else m.output  # the node whose value the op's output takes
     with graph.inserting_before(m.output):
         flat = m.logits
         if lv.dim() != 2:
@@ -682,12 +695,13 @@ def _replace(graph: Graph, m: SamplerMatch) -> None:
         # seed None: the op draws it from torch's generator (manual_seed reproduces a run, CUDA-graph replays
         # advance it), on CUDA while its first step runs; a randint node here cost inductor two launches
         args = (flat, *_tensor_or_scalar(m.temperature, 1.0), *_tensor_or_scalar(m.top_k, kernel.NO_TOP_K),
-                *_tensor_or_scalar(m.top_p, 1.0), *_tensor_or_scalar(m.min_p, 0.0), None)
+                *_tensor_or_scalar(m.top_p, 1.0), *_tensor_or_scalar(m.min_p, 0.0), None,
+                _val(result).dtype)
         tokens = graph.call_function(kernel.sample.default, args)
         tokens.meta["val"] = _fake(kernel.sample, *args)
-        out = graph.call_function(aten.reshape.default, (tokens, list(_val(m.output).shape)))
-        out.meta["val"] = _val(m.output)
-    m.output.replace_all_uses_with(out)
+        out = graph.call_function(aten.reshape.default, (tokens, list(_val(result).shape)))
+        out.meta["val"] = _val(result)
+    result.replace_all_uses_with(out)
 
 
 def rewrite_samplers(graph: Graph) -> int:
