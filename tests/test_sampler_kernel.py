@@ -254,11 +254,10 @@ def test_seed_reproduces_and_changes_the_draws():
     assert not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("filters", [dict(top_k=60), dict()], ids=["filtered (seed drawn beside step 1)",
-                                                                  "temperature only (drawn before)"])
+@pytest.mark.parametrize("filters", [dict(top_k=60), dict()], ids=["filtered", "temperature only"])
 def test_seed_none_draws_from_torch_generator(filters):
-    """seed=None: the launcher draws the seed from torch's generator (on CUDA with a filter, on a side
-    stream while step 1 runs): manual_seed reproduces the draws, the next call draws new ones, and every
+    """seed=None: the launcher draws the seed from torch's generator (beside step 1 only under CUDA-graph
+    capture: tests/test_gpu.py): manual_seed reproduces the draws, the next call draws new ones, and every
     token is one the filters keep."""
     logits = make_logits(64, 200, torch.bfloat16, seed=5, scale=0.3)
     torch.manual_seed(11)

@@ -832,10 +832,10 @@ def sample_triton(
     none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
     arguments: changing them neither recompiles nor launches a fill). ``seed``: an int64 tensor of one
     element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
-    advances on every CUDA-graph replay), or None: drawn here from torch's generator, with a filter on a
-    side stream while step 1 runs (step 1 needs no seed then; in a CUDA graph the draw leaves the critical
-    path, where a randint node before the op cost inductor two launches). Runs on CUDA, and on CPU under
-    TRITON_INTERPRET=1.
+    advances on every CUDA-graph replay), or None: drawn here from torch's generator; while a CUDA graph is
+    captured and with a filter, on a side stream while step 1 runs (step 1 needs no seed then: the draw
+    leaves the graph's critical path, where a randint node before the op cost inductor two launches). Runs
+    on CUDA, and on CPU under TRITON_INTERPRET=1.
     ``noise`` (test mode): exponential draws [B, V] used instead of Philox, so that the result can be
     compared exactly with the reference given the same draws. Tuning knobs (defaults from the heuristics
     above): ``block``: tokens per step of a chunk; ``span``: tokens per chunk (a multiple of ``block``);
@@ -897,8 +897,11 @@ def sample_triton(
         raise ValueError(f"sample: need kc <= groups <= block and sub <= block, got {kc}, {groups}, {block}, {sub}")
     C = cdiv(V, span)
     pdl = uses_pdl(B, dev)
-    # (not beside a programmatic dependent launch: a wait between the two launches would sit in its way)
-    drawn_aside = seed is None and dev.type == "cuda" and (has_k or has_p or has_m) and not pdl
+    # Beside step 1 only while a CUDA graph is captured: run eagerly the GPU waits on the host anyway, and
+    # the side stream's events cost host time. Not beside a programmatic dependent launch: a wait between
+    # the two launches would sit in its way.
+    drawn_aside = (seed is None and dev.type == "cuda" and (has_k or has_p or has_m) and not pdl
+                   and torch.cuda.is_current_stream_capturing())
     if seed is None:
         seed = torch.empty(1, dtype=torch.int64, device=dev)
         if not drawn_aside:  # step 1 races with it (no filter), PDL, or the interpreter runs on the CPU
