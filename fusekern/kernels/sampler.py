@@ -941,8 +941,8 @@ def sample_triton(
         cur.wait_stream(side)
     if step1_only:
         return i32[0], i32[1], cand.view(B, C, slots)
-    pdl = {"launch_pdl": True} if meta["PDL"] else {}  # only compiled kernels take the option
-    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or finish_warps_for(key_bits), **pdl)
+    launch = {"launch_pdl": True} if pdl else {}  # only compiled kernels take the option
+    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or finish_warps_for(key_bits), **launch)
     return out
 
 
@@ -1080,6 +1080,7 @@ torch.library.define(
     "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? top_k, SymInt top_k_scalar, "
     "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor? seed, "
     "ScalarType? out_dtype=None) -> Tensor",
+    tags=(torch.Tag.nondeterministic_seeded,),  # draws from torch's generator: never deduplicated or reordered
 )
 
 NO_TOP_K = 2**31 - 1
