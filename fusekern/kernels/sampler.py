@@ -76,8 +76,9 @@ def uses_pdl(B: int, device: torch.device) -> bool:
 
 
 def finish_warps_for(key_bits: int) -> int:
-    """Warps of step 2's CTA: 8 for every key width (4 measured slower: 17.5 against 15.3 us at B = 1,
-    H200, git 948cd5e). 16 for fp32 keys gave ptxas a 64-register budget: it spilled there."""
+    """Warps of step 2's CTA: 8 for every key width (4 measured slower, H200, whole sampler at B = 1: 17.5
+    against 15.3 us at git 948cd5e, 12.51 against 12.14 at 4721dca, `sampler_step2_finish_warps.csv`).
+    16 for fp32 keys gave ptxas a 64-register budget: it spilled there."""
     return 8
 
 
