@@ -34,6 +34,8 @@ Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> refere
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,8 @@ from fusekern.kernels.intmath import cdiv, next_power_of_2
 KERNEL_VERSION = "sampler-8"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_KEY = tl.constexpr(-(2**31))  # no key is below it: a threshold that selects everything
+MIN_KEY = tl.constexpr(-(2**31))
+SEED_BOUND = 2**62  # seeds drawn from torch's generator lie in [0, SEED_BOUND)  # no key is below it: a threshold that selects everything
 
 
 # ----------------------------------------------------------------------------- heuristics
@@ -901,12 +904,11 @@ def sample_triton(
     # Beside step 1 only while a CUDA graph is captured: run eagerly the GPU waits on the host anyway, and
     # the side stream's events cost host time. Not beside a programmatic dependent launch: a wait between
     # the two launches would sit in its way.
-    drawn_aside = (seed is None and dev.type == "cuda" and (has_k or has_p or has_m) and not pdl
+    draw = seed is None
+    drawn_aside = (draw and dev.type == "cuda" and (has_k or has_p or has_m) and not pdl
                    and torch.cuda.is_current_stream_capturing())
-    if seed is None:
+    if draw:
         seed = torch.empty(1, dtype=torch.int64, device=dev)
-        if not drawn_aside:  # step 1 races with it (no filter), PDL, or the interpreter runs on the CPU
-            seed.random_(0, 2**62)
     i32 = torch.empty((4, B, C), dtype=torch.int32, device=dev)  # threshold, count, max key, NaN flag per chunk
     f32 = torch.empty((2, B, C), dtype=torch.float32, device=dev)  # max x, sum of exp per chunk (top-p, no top-k)
     best = torch.empty((B, C), dtype=torch.int64, device=dev)  # race winner per chunk (temperature only)
@@ -935,8 +937,9 @@ def sample_triton(
     if drawn_aside:
         cur, side = torch.cuda.current_stream(dev), _seed_stream(dev)
         side.wait_stream(cur)  # the seed's memory may be in use by work queued before
-        with torch.cuda.stream(side):
-            seed.random_(0, 2**62)
+    if draw:  # (on the current stream: step 1 races with it without a filter, PDL, the CPU interpreter)
+        with torch.cuda.stream(side) if drawn_aside else contextlib.nullcontext():
+            seed.random_(0, SEED_BOUND)
     _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
     if drawn_aside:
         cur.wait_stream(side)
@@ -1110,7 +1113,7 @@ def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, t
 def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
                 min_p, min_p_scalar, seed, out_dtype=None):
     if seed is None:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        seed = torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64)
     tokens = sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
                                             top_p_scalar, min_p, min_p_scalar), seed=seed)
     return tokens.to(out_dtype or torch.int64)
