@@ -19,9 +19,9 @@ own, not inlined), ``finish_4_warps`` /
 ``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_2`` / ``fan_4`` / ``fan_16`` (points per round
 of the top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
 threshold), ``no_compact`` (the kept tokens are not moved into the small
-block through the slots), ``vector_cand_loads`` (sampler-7's vectorized load of the candidates, which the
-move had to re-lay out three times; sampler-8 loads them one per lane), ``no_race`` (no Philox draws: the score is x), ``no_slow`` (without the exact
-slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
+block through the slots), ``vector_cand_loads`` (sampler-7's vectorized load of the candidates, which
+the move had to re-lay out three times; sampler-8 loads them one per lane), ``no_race`` (no Philox
+draws: the score is x), ``no_slow`` (without the exact slow path's code, never taken here), ``no_slow_big`` (nor the path for a kept set too large for the small
 block: how much the code not run costs). ``step1`` is step 1 alone,
 ``top_k_only`` the full sampler without top-p, ``before`` benchmarks/_sampler_before.py where present.
 """

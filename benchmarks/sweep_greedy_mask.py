@@ -17,8 +17,6 @@ import triton.testing
 
 from bench_common import RowWriter, versions, warm_up_clocks
 from fusekern.kernels import masked_argmax as ma
-from fusekern.kernels.device_info import sm_count
-from fusekern.kernels.intmath import cdiv
 
 V = 128256
 
@@ -38,12 +36,13 @@ def main():
         ids = torch.randint(0, V, (B, 16), generator=g).cuda()
         T = torch.full((B, 1), 0.7, device="cuda", dtype=torch.bfloat16)
         want = ma.masked_argmax_reference(logits, T, ids)
-        default_split = cdiv(2 * sm_count(logits.device), B)
+        default_split = ma.split_for(B, logits.device)
+        default_warps = ma.warps_for(B, logits.device)
         best = None
         shapes = ((2048,), (4, 8), (1,)) if args.warps_only else ((2048, 4096, 8192), (4, 8), (1, 2, 4))
         for block, warps, mult in itertools.product(*shapes):
             cfg = dict(block=block, warps=warps, split=default_split * mult)
-            tag = "default" if (block, mult) == (2048, 1) and warps == 4 else ""
+            tag = "default" if (block, warps, mult) == (2048, default_warps, 1) else ""
             try:
                 got = ma.masked_argmax_triton(logits, T, ids, **cfg)
                 exact = torch.equal(got, want.to(got.device))

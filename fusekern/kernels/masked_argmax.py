@@ -135,6 +135,11 @@ def masked_argmax_kernel(
             tl.store(out_ptr + row, tl.where(first_nan < V, first_nan, best_i).to(tl.int64))
 
 
+def split_for(B: int, device: torch.device) -> int:
+    """Programs per row by default: about two per SM over the batch (before the cap at one block each)."""
+    return cdiv(2 * sm_count(device), max(B, 1))
+
+
 def warps_for(B: int, device: torch.device) -> int:
     """Warps per program: 8 while rows are fewer than SMs (each program reads a few blocks of a split row),
     4 from there (whole rows, or halves, loop over many blocks). H200 sweeps at 2048-token blocks, default
@@ -171,8 +176,8 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     block = min(block, next_power_of_2(V))
     blocks = cdiv(V, block)
     if split is None:
-        most = 2 * sm_count(logits.device)
-        split = cdiv(most, max(B, 1))
+        most = split_for(1, logits.device)  # the most programs a row gets by default (batch 1)
+        split = split_for(B, logits.device)
     else:
         most = split
     split = max(1, min(split, blocks))
