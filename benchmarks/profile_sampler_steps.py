@@ -12,11 +12,13 @@ by design, only their time counts):
 It also reports how many chunks still overflow their slots after the searches (their rows take step 2's
 slow path).
 
-``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead: ``no_pdl``
+``--step 2`` times the whole sampler (both launches) with parts of step 2 cut out instead (and reports a
+variant whose tokens differ from the shipped kernel's under the same seed): ``no_pdl``
 (step 2 launched after step 1 ends, not as a programmatic dependent launch), ``pdl`` (one at every
 batch size), ``noinline_finish`` and ``noinline_chunks`` (step 2's or step 1's body as a function of its
-own, not inlined), ``finish_4_warps`` /
-``finish_16_warps`` (step 2's CTA size), ``fan_1`` / ``fan_2`` / ``fan_4`` / ``fan_16`` (points per round
+own, not inlined), ``finish_1_warps`` / ``finish_2_warps`` / ``finish_4_warps`` /
+``finish_16_warps`` (step 2's CTA size), ``pivot_exit`` (the pivot's search stops at a point with exactly
+k candidates at or above it; ``pivot_exit_1_warp`` with step 2 on one warp), ``fan_1`` / ``fan_2`` / ``fan_4`` / ``fan_16`` (points per round
 of the top-k pivot's search: 1 is a binary search), ``no_pivot`` (no pivot search: the pivot is the chunks'
 threshold), ``no_compact`` (the kept tokens are not moved into the small
 block through the slots), ``vector_cand_loads`` (sampler-7's vectorized load of the candidates, which
@@ -62,6 +64,20 @@ def fan(n: int):
     return [("PIVOT_FAN=pivot_fan,", f"PIVOT_FAN={n},")]
 
 
+def finish_warps(n: int):
+    """Step 2's CTA on n warps, its slow path's row steps 256 tokens a warp (2048 on 1 warp spilled)."""
+    return [("num_warps=finish_warps or finish_warps_for(key_bits)", f"num_warps=finish_warps or {n}"),
+            ("ROW_BLOCK=min(2048, block)", f"ROW_BLOCK=min({256 * n}, block)")]
+
+
+# the pivot's search ends at a point with exactly k candidates at or above it: every point in
+# (v_k+1, v_k] keeps the same tokens, so the remaining rounds would not change the kept set
+PIVOT_EXIT = ("            lo, hi = lo + ((hi - lo) * n_ok) // (FAN + 1), tl.where(n_ok < FAN, lo + ((hi - lo) * (n_ok + 1)) // (FAN + 1), hi)\n",
+              "            lo, hi = lo + ((hi - lo) * n_ok) // (FAN + 1), tl.where(n_ok < FAN, lo + ((hi - lo) * (n_ok + 1)) // (FAN + 1), hi)\n"
+              "            if FAN == 1:\n"
+              "                hi = tl.where(count == k, lo + 1, hi)\n")
+
+
 STEP2_VARIANTS = {
     "full": [],
     "no_pdl": [("    pdl = uses_pdl(B, dev)\n", "    pdl = False\n")],
@@ -80,6 +96,10 @@ STEP2_VARIANTS = {
     # through shared memory to reach the kept tokens' scatter (167 -> 172 barriers in the SASS)
     "vector_cand_loads": [("        cj = row.to(tl.int64) * C * SLOTS + j * (V > 0).to(tl.int64)\n",
                            "        cj = row.to(tl.int64) * C * SLOTS + j\n")],
+    "finish_1_warps": finish_warps(1),
+    "finish_2_warps": finish_warps(2),
+    "pivot_exit": [PIVOT_EXIT],
+    "pivot_exit_1_warp": [PIVOT_EXIT] + finish_warps(1),
     "no_race": [("score = _gumbel_score(x, seed, row, idx, V, noise_ptr, HAS_NOISE)", "score = x")],
     "no_slow": [(SLOW, "")],
     "no_slow_big": [(SLOW, ""), (BIG, "            best = tl.full((), -1, tl.int64)\n")],
@@ -147,8 +167,11 @@ def main():
                 times["before"] = bench(lambda: before.sample_triton(logits, T, K, P, seed=seed))
             except ImportError:
                 pass
+            want = full.sample_triton(logits, T, K, P, seed=seed)
             for name, mod in mods.items():
                 times[name] = bench(lambda: mod.sample_triton(logits, T, K, P, seed=seed))
+                if not torch.equal(mod.sample_triton(logits, T, K, P, seed=seed), want):
+                    print(f"B={B} {name}: tokens differ from full's (same seed)", flush=True)
         for name, us in times.items():
             out.write(dict(**meta, B=B, V=V, step=args.step, variant=name, us=round(us, 2), chunks=chunks,
                            overflowed=overflow))

@@ -32,7 +32,7 @@ V, T, K, P = 128256, 0.8, 50, 0.9
 def configs(B: int):
     """CTAs per row (the span), candidate slots per chunk and steps gathered at once (2048-token steps on
     4 warps, 4 tokens per thread in the passes that re-read a chunk)."""
-    grid = {1: ((8, 12, 16, 24), (64, 128), (None,)), 8: ((8, 12, 16, 24), (64, 128), (None,)),
+    grid = {1: ((12, 16, 24, 32), (64, 128), (None,)), 8: ((8, 12, 16, 24), (64, 128), (None,)),
             32: ((8, 16), (64, 128), (None, 16)), 256: ((3, 4, 6), (128,), (8, 16, 32)),
             512: ((1, 2, 3), (128,), (8, 16))}
     ctas_list, slots_list, gathers = grid.get(B, ((1, 2, 4), (128,), (None,)))
@@ -65,8 +65,8 @@ def main():
         want = S.sample_reference(logits, T, K, P, q=q).tolist()
         block = S.chunk_block(B, V)
         span = S.chunk_span(B, V, block, torch.cuda.get_device_properties(0).multi_processor_count)
-        default = dict(block=block, warps=S.chunk_warps(block), span=span,
-                       sub=min(S.sub_block(S.chunk_warps(block)), block),
+        warps = S.chunk_warps(block, 16, B * triton.cdiv(V, span), torch.cuda.get_device_properties(0).multi_processor_count)
+        default = dict(block=block, warps=warps, span=span, sub=min(S.sub_block(warps), block),
                        slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span), K))
         best = None
         if args.block_warps:

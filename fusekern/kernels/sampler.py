@@ -43,7 +43,7 @@ import triton.language as tl
 from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 
-KERNEL_VERSION = "sampler-8"
+KERNEL_VERSION = "sampler-9"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))
@@ -58,9 +58,16 @@ def chunk_block(B: int, V: int) -> int:
     return min(2048, max(16, next_power_of_2(V)))
 
 
-def chunk_warps(block: int, key_bits: int = 16) -> int:
-    """fp32 keys take more registers: 8 warps (4 spilled on Triton 3.9)."""
-    return 4 if block <= 2048 and key_bits == 16 else 8
+def chunk_warps(block: int, key_bits: int = 16, ctas: int | None = None, sms: int = 132) -> int:
+    """Warps of a chunk's CTA. 16-bit keys: 4, or 8 while step 1's CTAs (``ctas``, over the whole batch)
+    fit one per SM: the SM has no other CTA to switch to, so a chunk's steps go faster on more threads
+    (H200, git 5f31278, whole sampler with 2048-token steps, `sampler_sweep_warps.csv`: B = 1, 16 CTAs,
+    11.92 against 12.38-12.51 us; B = 8, 128 CTAs, 12.37 against 12.86; but B = 32, 256 CTAs, 16.18
+    against 15.15 and B = 256 65.1 against 48.0; faster on each of six draws of the logits at B = 1 and 8,
+    `sampler_draws.csv`). fp32 keys take more registers: 8 warps (4 spilled on Triton 3.9)."""
+    if block <= 2048 and key_bits == 16:
+        return 8 if ctas is not None and ctas <= sms else 4
+    return 8
 
 
 def chunk_span(B: int, V: int, block: int, sms: int) -> int:
@@ -80,7 +87,10 @@ def uses_pdl(B: int, device: torch.device) -> bool:
 
 def finish_warps_for(key_bits: int) -> int:
     """Warps of step 2's CTA: 8 for every key width (4 measured slower, H200, whole sampler at B = 1: 17.5
-    against 15.3 us at git 948cd5e, 12.51 against 12.14 at 4721dca, `sampler_step2_finish_warps.csv`).
+    against 15.3 us at git 948cd5e, 12.51 against 12.14 at 4721dca, `sampler_step2_finish_warps.csv`;
+    at 5f31278, B = 1 / 8 / 32, 12.02 / 12.63 / 14.95 on 8 warps against 22.2 / 22.8 / 24.8 on 1 (no
+    barriers, 32 candidates a thread), 13.9 / 14.7 / 18.8 on 2 and 12.8 / 13.4 / 15.7 on 16,
+    `sampler_step2_warps.csv`: step 2 is bound by its per-thread work, not by its barriers).
     16 for fp32 keys gave ptxas a 64-register budget: it spilled there."""
     return 8
 
@@ -881,7 +891,8 @@ def sample_triton(
     topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
     block = block or chunk_block(B, V)
-    span = span or chunk_span(B, V, block, sm_count(dev))
+    sms = sm_count(dev)
+    span = span or chunk_span(B, V, block, sms)
     if span <= 0 or span % block:
         raise ValueError(f"sample: span {span} must be a multiple of block {block}")
     scalar_k = k_scalar if has_k and topk is None else None
@@ -889,7 +900,7 @@ def sample_triton(
     slots = slots or slots_for(kc, cdiv(V, span), scalar_k)
     groups = groups or groups_for(kc, block)
     key_bits = 32 if logits.dtype == torch.float32 else 16
-    warps = warps or chunk_warps(block, key_bits)
+    warps = warps or chunk_warps(block, key_bits, B * cdiv(V, span), sms)
     sub = sub or min(sub_block(warps, has_k or has_p or has_m), block)
     gather = gather or gather_steps(warps, slots)
     pivot_fan = pivot_fan or pivot_fan_for(key_bits)
@@ -966,7 +977,7 @@ def aot_builds():
         kc = keys_per_chunk(k, block)
         C = cdiv(V, span)
         slots = slots_for(kc, C, k)
-        warps = chunk_warps(block, key_bits)
+        warps = chunk_warps(block, key_bits, B * C, 132)
         args = dict(
             logits_ptr=f"*{dtype}", V=V, stride_row=V,
             temp_ptr="*fp32", temperature=0.8, stride_t=0, topk_ptr="*i32", top_k=k, stride_k=0,
