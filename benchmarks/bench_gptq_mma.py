@@ -1,0 +1,70 @@
+"""GPTQ W4A16 (g128) at decode sizes: the register-decoded tensor-core kernel against the other packed kernels.
+
+    python benchmarks/bench_gptq_mma.py [--csv OUT.csv] [--shapes 8192x8192,...] [--ms 1,16]
+
+Per shape (N x K) and M: every config the dispatcher offers (``decode_mm.candidates``: GEMV tiles,
+swap-AB ``packed_dot`` tiles, ``gptq_mma``, decode + cuBLAS), each checked against the float64 reference
+and timed in a CUDA graph (``do_bench_cudagraph``, median), and the one ``decode_mm.tuned_config`` picks
+(``chosen``). The floor moves the codes, zeros and scales once at 4.3 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
+from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import packed_mm as pm
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.layout import derive_layout
+from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.testing.decode_cones import decode_program
+from fusekern.testing.decode_zoo import BY_NAME
+
+SHAPES = "8192x8192,4096x4096,14336x4096,4096x14336,128256x4096"
+BANDWIDTH = 4.3e12
+
+
+def floor_us(N: int, K: int, M: int) -> float:
+    weight = K * N // 2 + (K // 128) * (N // 8) * 4 + (K // 128) * N * 2
+    return (weight + 2 * M * (K + N)) / BANDWIDTH * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--ms", default="1,16")
+    args = ap.parse_args()
+    warm_up_clocks()
+    meta = versions()
+    out = RowWriter(args.csv)
+    case = BY_NAME["gptq"]
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        torch.manual_seed(0)
+        ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
+        text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=torch.bfloat16), *ws)
+        prog = DecodeProgram.from_text(text)
+        lay = derive_layout(prog, recognize(prog, consts), consts)
+        leaves = [t.cuda() for t in leaves]
+        for M in map(int, args.ms.split(",")):
+            x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+            ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
+            chosen = dm.tuned_config(x, leaves, text, None, 1, M, lay.to_text())
+            for cfg in dm.candidates(M, N, K, 1, torch.cuda.get_device_properties(0).multi_processor_count,
+                                     lay.to_text(), x.dtype):
+                if not isinstance(cfg, (dm.Config, dm.DequantConfig)):  # the hand-tuned kernels (and their decode)
+                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
+                    row = dict(**meta, N=N, K=K, M=M, kernel=type(cfg).__name__, config=str(cfg),
+                               chosen=cfg == chosen, us=us if isinstance(us, str) else round(us, 2),
+                               floor_us=round(floor_us(N, K, M), 2), rel_err=f"{err:.2e}")
+                    out.write(row)
+                    print(f"{N}x{K} M={M:3d} {str(cfg):80s} {row['us']!s:>8} us  floor {row['floor_us']}  "
+                          f"err {row['rel_err']}{'  <- chosen' if row['chosen'] else ''}", flush=True)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
