@@ -199,6 +199,26 @@ def test_dispatch_offers_packed_kernels_first():
     assert not any(isinstance(c, (pm.PackedGemv, pm.PackedDot)) for c in dm.candidates(1, 8192, 8192))
 
 
+def test_tuning_never_picks_a_fast_wrong_kernel():
+    """The first call times every candidate; one whose output is off from torch's decode + matmul (a
+    kernel wrong on this GPU), NaN, or that fails is skipped, however fast."""
+    ref = torch.randn(4, 64, dtype=torch.bfloat16)
+    outs = {"right": ref.clone(), "wrong": ref + 1, "nan": ref * float("nan"), "close": (ref.float() * 1.002).bfloat16(),
+            "fails": None}
+    times = {"right": 3.0, "wrong": 1.0, "nan": 0.5, "close": 2.0, "fails": 0.1}
+
+    def run_of(name):
+        def run():
+            if outs[name] is None:
+                raise RuntimeError("does not fit")
+            return outs[name]
+        run.name = name
+        return run
+
+    assert dm.fastest_correct(list(outs), run_of, lambda run: times[run.name], ref, "a test weight") == "close"
+    assert dm.fastest_correct(["wrong", "nan", "fails"], run_of, lambda run: times[run.name], ref, "w") is None
+
+
 def test_rewrite_passes_the_layout():
     """The compiled graph's decode_mm call carries the layout; the match report names the kernels."""
     from fusekern.compiler_pass.report import match_report, reset_match_report

@@ -180,9 +180,9 @@ _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured 
 
 
 def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, layout: str = ""):
-    """The fastest of ``candidates`` for this program and M (rounded up to a power of two), measured on
-    the first call and cached per device. While a CUDA graph is being captured nothing can be timed: the
-    cached choice, or ``select_config``, is used."""
+    """The fastest of ``candidates`` for this program and M (rounded up to a power of two) whose output
+    agrees with torch's decode and matmul, measured on the first call and cached per device. While a CUDA
+    graph is being captured nothing can be timed: the cached choice, or ``select_config``, is used."""
     prog = DecodeProgram.from_text(text)
     bucket = next_power_of_2(M)
     key = (text, layout, bucket, batch, x.device)
@@ -195,18 +195,40 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
         return cands[0]
     if torch.cuda.is_current_stream_capturing():
         return select_config(M, prog.N, prog.K, batch, sms, layout)
+    ref = _decode_mm_cpu(x, leaves, text, bias)  # torch's decode and matmul, on x's device
+    best = fastest_correct(cands, lambda cfg: functools.partial(decode_mm_triton, x, leaves, text, bias, cfg,
+                                                                layout=layout),
+                           _gpu_time, ref, f"a {prog.K}x{prog.N} weight")
+    _tuned[key] = best = best or DequantConfig()
+    return best
+
+
+# How far a candidate's output may be from torch's decode + matmul before it is taken for broken: a few
+# roundings of the output dtype (a wrong decode is off by O(1)).
+AGREEMENT = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+
+
+def fastest_correct(cands, run_of, time_of, ref: torch.Tensor, what: str):
+    """The fastest candidate whose output agrees with ``ref``: ``run_of(cfg)`` gives a call that runs it,
+    ``time_of(run)`` its time. A candidate that fails, or whose result is off (a kernel wrong on this GPU
+    or for these leaves), is skipped with a warning: measuring must never pick a fast wrong kernel."""
     best, best_ms = None, float("inf")
+    tol = AGREEMENT.get(ref.dtype, 1e-3)
+    ref32 = ref.float()
     for cfg in cands:
         try:
-            run = functools.partial(decode_mm_triton, x, leaves, text, bias, cfg, layout=layout)
-            run()  # compiles
-            ms = _gpu_time(run)
+            run = run_of(cfg)
+            out = run()  # compiles
+            err = ((out.float() - ref32).norm() / ref32.norm().clamp_min(1e-30)).item()
+            if not err <= tol:  # NaN too
+                log.warning("fusekern decode_mm: %s for %s is off by %.2e (relative): skipped", cfg, what, err)
+                continue
+            ms = time_of(run)
         except Exception as e:  # a config that does not fit or compile for this device: skip it
-            log.warning("fusekern decode_mm: skipping %s for a %dx%d weight: %s", cfg, prog.K, prog.N, e)
+            log.warning("fusekern decode_mm: skipping %s for %s: %s", cfg, what, e)
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    _tuned[key] = best = best or DequantConfig()
     return best
 
 
