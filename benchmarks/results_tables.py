@@ -161,30 +161,33 @@ def fp8_kv_attention(rows: list[dict]) -> list[str]:
     return out
 
 
-def gptq_mma(rows: list[dict]) -> list[str]:
-    """GPTQ at decode sizes: the fastest config of each packed kernel and the dispatcher's choice."""
-    kinds = ("PackedGemv", "PackedDot", "GptqMma", "PackedDequant")
+def int4_mma(rows: list[dict]) -> list[str]:
+    """int4 along K at decode sizes: the fastest config of each packed kernel and the dispatcher's choice
+    (the register-decoded tensor-core kernel was named GptqMma in the first run)."""
+    kinds = ("PackedGemv", "PackedDot", "Int4Mma", "PackedDequant")
     by: dict = {}
     for r in rows:
-        cell = by.setdefault((int(r["N"]), int(r["K"]), int(r["M"])), {"floor": float(r["floor_us"])})
+        key = (r.get("format", "gptq"), int(r["N"]), int(r["K"]), int(r["M"]))
+        cell = by.setdefault(key, {"floor": float(r["floor_us"])})
+        kind = "Int4Mma" if r["kernel"] == "GptqMma" else r["kernel"]
         try:
             us = float(r["us"])
         except ValueError:  # did not compile or fit
             continue
-        cell[r["kernel"]] = min(us, cell.get(r["kernel"], math.inf))
+        cell[kind] = min(us, cell.get(kind, math.inf))
         if r["chosen"] == "True":
-            cell["chosen"] = (r["kernel"], us)
-    out = ["| N x K | M | floor | GEMV | swap-AB tile | gptq_mma | decode + cuBLAS | chosen | × floor |",
-           "|---" * 9 + "|"]
-    for (n, k, m), c in by.items():
+            cell["chosen"] = (kind, us)
+    out = ["| format | N x K | M | floor | GEMV | swap-AB tile | int4_mma | decode + cuBLAS | chosen | × floor |",
+           "|---" * 10 + "|"]
+    for (fmt, n, k, m), c in by.items():
         kind, us = c.get("chosen", ("–", math.nan))
-        out.append(f"| {n} x {k} | {m} | {c['floor']:.1f} | " + " | ".join(_num(c.get(x, math.nan)) for x in kinds)
-                   + f" | {kind} | {us / c['floor']:.2f} |")
+        out.append(f"| {fmt} | {n} x {k} | {m} | {c['floor']:.1f} | "
+                   + " | ".join(_num(c.get(x, math.nan)) for x in kinds) + f" | {kind} | {us / c['floor']:.2f} |")
     return out
 
 
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
-          "gemv_sweep": gemv_sweep, "gptq_mma": gptq_mma, "greedy_mask": greedy_mask,
+          "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes,
           "e2e_decode": e2e_decode}
 

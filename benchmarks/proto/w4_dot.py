@@ -1,6 +1,6 @@
 """Prototype: GPTQ int4 x bf16 GEMM for M <= 16 on Hopper tensor cores, decoding two values per instruction.
 
-The variant study behind fusekern/kernels/gptq_mma.py (which ships the ``sub`` variant); its H200 run is
+The variant study behind fusekern/kernels/int4_mma.py (then gptq_mma.py) (which ships the ``sub`` variant); its H200 run is
 benchmarks/results/h200/gptq_mma_variants.csv (the CSV this prints on stdout, with the run's versions added).
 
     PYTHONPATH=$PWD python3 benchmarks/proto/w4_dot.py              # H200: check + time (CSV on stdout)
@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fusekern.kernels.gptq_mma import _load_words, _w_tile  # noqa: E402
+from fusekern.kernels.int4_mma import _load_words, _w_tile  # noqa: E402
 
 GROUP = 128
 VARIANTS = ("sub", "bias", "tlload")
@@ -65,7 +65,7 @@ _VCODE = {"sub": 0, "bias": 1, "tlload": 2}
 # ----------------------------------------------------------------------------- kernel helpers
 
 
-# the word loads and the decode are the shipped kernel's (fusekern/kernels/gptq_mma.py)
+# the word loads and the decode are the shipped kernel's (fusekern/kernels/int4_mma.py)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import triton
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from fusekern.kernels import gptq_mma as gm
+from fusekern.kernels import int4_mma as im
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
@@ -112,8 +112,8 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout
 def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                        x_dtype: torch.dtype | None = None) -> list:
     """The hand-tuned kernels' configs for a problem size (``fusekern.kernels.packed_mm``): GEMV tiles
-    for a few rows, swap-AB tensor-core tiles up to 64 rows, GPTQ's register-decoded tensor-core kernel up
-    to 16 rows of bf16 (never first: ``select_config``, used where nothing can be timed and x's dtype is
+    for a few rows, swap-AB tensor-core tiles up to 64 rows, the register-decoded int4 tensor-core kernel
+    (int4 along K) up to 16 rows of bf16 (never first: ``select_config``, used where nothing can be timed and x's dtype is
     not known, keeps the kernels of every layout), and their decode + cuBLAS at any M. x_dtype: None where
     unknown."""
     out = []
@@ -139,11 +139,11 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):
             tiles = cdiv(N, bn) * cdiv(M, bm)
             out.append(pm.PackedDot(bm, bn, bk, _split_k(tiles, cdiv(K, bk), sms), warps))
-    if M <= gm.M_MAX and gm.layout_fits(lay) and K % gm.GROUP == 0 and N % 8 == 0 \
+    if M <= im.M_MAX and im.layout_fits(lay) and K % im.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
         # 128-column tiles on 4 warps, 2-4 programs per SM (H200, N = K = 8192, M = 1 and 16:
-        # benchmarks/results/h200/gptq_mma_variants.csv)
-        out += dict.fromkeys(gm.GptqMma(128, gm.split_k_for(N, K, 128, sms, per_sm), 4) for per_sm in (4, 2))
+        # benchmarks/results/h200/gptq_mma_variants.csv, GPTQ)
+        out += dict.fromkeys(im.Int4Mma(128, im.split_k_for(N, K, 128, sms, per_sm), 4) for per_sm in (4, 2))
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 
@@ -697,12 +697,12 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
-    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, gm.GptqMma, pm.PackedDequant)):
+    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, pm.PackedDequant)):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
         ws = None
-        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, gm.GptqMma)):
+        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma)):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
             if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype \
                     or not workspace.is_contiguous():

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusekern.kernels.gptq_mma import GptqMma, gptq_mma, layout_fits as gptq_mma_fits
+from fusekern.kernels.int4_mma import Int4Mma, int4_mma, layout_fits as int4_mma_fits
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -623,8 +623,8 @@ class PackedDequant:
 def fits(lay: PackedLayout, cfg) -> bool:
     """Can ``cfg``'s tile read this layout? The tile must hold whole words, and a word's values must
     share one scale group (the GEMV scales per word)."""
-    if isinstance(cfg, GptqMma):
-        return gptq_mma_fits(lay)
+    if isinstance(cfg, Int4Mma):
+        return int4_mma_fits(lay)
     bk, bn = cfg.BLOCK_K, cfg.BLOCK_N
     if lay.pack_axis == "K" and bk % lay.per_word:
         return False
@@ -821,7 +821,7 @@ def reduce_split_k(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) ->
 
 def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None,
               workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Run one config (GEMV, tensor-core tile, GPTQ's register-decoded tensor-core kernel, or decode +
+    """Run one config (GEMV, tensor-core tile, the register-decoded int4 tensor-core kernel, or decode +
     cuBLAS). A bias other than a contiguous [N] vector is added after the kernel, in fp32. workspace: the
     ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN)."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
@@ -830,8 +830,8 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
         return gemv(x, leaves, lay, K, N, cfg, bias, workspace)
     if isinstance(cfg, PackedDot):
         return dot(x, leaves, lay, K, N, cfg, bias, workspace)
-    if isinstance(cfg, GptqMma):
-        return gptq_mma(x, leaves, lay, K, N, cfg, bias, workspace)
+    if isinstance(cfg, Int4Mma):
+        return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace)
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg)
     out = x @ w
     if bias is not None:
@@ -895,7 +895,7 @@ def aot_builds():
         seen = set()
         for M in REPORT_MS:
             for cfg in dm._packed_candidates(M, N, K, 132, lay):
-                if cfg in seen or isinstance(cfg, GptqMma):  # (gptq_mma.aot_builds has those)
+                if cfg in seen or isinstance(cfg, Int4Mma):  # (int4_mma.aot_builds has those)
                     continue
                 seen.add(cfg)
                 common = dict(q_ptr=qt, s_ptr=st, z_ptr=zt, g_ptr="*fp32", N=N, K=K, sqk=N if lay.code_dims[0] == "k" else 1,

@@ -1,8 +1,12 @@
-"""GPTQ-layout int4 weights times a few bf16 rows (M <= 16) on Hopper tensor cores, decoded in registers.
+"""int4 weights packed along K times a few bf16 rows (M <= 16) on Hopper tensor cores, decoded in registers.
 
-``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = (q[k, n] - z[k // 128, n] - c) * s[k // 128, n]`` read from
-GPTQ's leaves as they are: codes int32 ``[K/8, N]`` (k = 8 kw + i in bits [4i, 4i + 4)), zeros int32
-``[K/128, N/8]`` (column n in bits [4 (n % 8), ...)), float scales ``[K/128, N]``, c a small integer constant.
+``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = (q[k, n] - z - c) * s[k // 128, n]``, the codes q read as
+they are from either packing of 8 consecutive k per 32-bit word (k = 8 w + i in bits [4i, 4i + 4)):
+- GPTQ: int32 words ``[K/8, N]``;
+- two per byte, low nibble first: uint8 ``[N, K/2]``, each row read as int32 words ``[N, K/8]``;
+and the zero point z: none, a constant c (``q - 8``), GPTQ's nibbles packed along N (``[K/128, N/8]``
+int32, plus a constant c: GPTQ v1 stores zeros minus one), or one 8-bit integer per group and column;
+float scales per group of 128 and column, either way round.
 
 Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slower at M = 1:
 - Swap AB: ``acc[BLOCK_N, 16] += dot(W^T tile [BLOCK_N, 128], x^T tile [128, 16])``: N fills the MMA's
@@ -10,17 +14,20 @@ Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slowe
   is scaled once per column (``acc += d * s``), never per value.
 - Two values per instruction: ``lop3(w >> 4i, 0x000F000F, 0x43004300)`` is the bf16 pair
   (128 + q_i, 128 + q_{i+4}) (exact), and one packed bf16 subtraction of 128 + z + c leaves q - z - c,
-  a small integer, exact in bf16 (3 SHF + 4 LOP3 + 4 HADD2 per word of 8 values).
+  a small integer, exact in bf16 (3 SHF + 4 LOP3 + 4 HADD2 per word of 8 values; 8-bit integer zeros
+  take a second subtraction: 128 + z need not be exact in bf16, z and q - z are).
 - No trip through shared memory for the weights: which MMA k-slot a value takes does not change the sum
   as long as x is read with the same permutation, so the 8 values of a word are placed in the slots that
   the thread holding the word feeds to the MMA (join / reshape / permute below; Triton then emits no layout
   conversion for the A operand), and each thread loads exactly the words it decodes (inline
-  ``ld.global.nc``: offsets are immediates from one base because N and K are compile-time constants).
+  ``ld.global.nc``: offsets are immediates from one base because N, K and the strides are compile-time
+  constants).
 - Split K over SPLIT_K programs per column tile, reduced in the same launch by the last program of the
   tile (split order: deterministic), as the GEMV does.
-H200, N = K = 8192 (`benchmarks/results/h200/gptq_mma_variants.csv`): 15.8 us at M = 1 (GEMV 16.9) and
-17.8 at M = 16 (swap-AB ``packed_dot`` 52, GEMV 209). The dispatcher times it against the other kernels per
-shape (``decode_mm.tuned_config``).
+H200, GPTQ, N = K = 8192 (`benchmarks/results/h200/gptq_mma.csv`): 16.1 us at M = 1 (GEMV 17.1) and 17.4 at
+M = 16 (the swap-AB ``packed_dot`` tile 574). The two-per-byte packing and the 8-bit zeros were added after
+that run and have not run on a GPU yet; the dispatcher times every kernel per shape and skips one whose
+output is off (``decode_mm.tuned_config``).
 
 Read top to bottom: config and layout check -> decode helpers -> kernel -> launcher -> builds.
 """
@@ -41,28 +48,39 @@ GROUP = 128  # the K tile: one scale / zero row per tile
 _GROUP = tl.constexpr(GROUP)  # (the kernels' copy: a jit function reads constexpr globals only)
 M_MAX = 16   # x's rows are padded to the MMA's 16
 _SEQ8 = tuple(range(8))
+ZERO_MODES = {"": 0, "const": 0, "packed": 1, "int": 2}  # constant only / GPTQ's nibbles / 8-bit integers
 # inline PTX cannot run in Triton's CPU interpreter: the kernel then uses plain operations (same bits)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
-class GptqMma:
+class Int4Mma:
     BLOCK_N: int = 128
     SPLIT_K: int = 8
     num_warps: int = 4
 
 
+def _int32_words(lay: PackedLayout) -> bool:
+    """GPTQ's int32 words (else two codes per byte along K, low nibble first)."""
+    return lay.code_dims == ("k", "n")
+
+
 def layout_fits(lay: PackedLayout) -> bool:
-    """Is this GPTQ's layout, with groups of 128 along K and a zero offset c in 0..16 (GPTQ v1 stores zeros
-    minus one)? z + c is OR-ed into the mantissa of bf16 128 (7 bits: 0 <= z + c < 128) and the
-    subtraction stays exact. (Any other layout keeps the other kernels.)"""
-    return (lay.code_dims == ("k", "n") and lay.bits == 4 and lay.per_word == 8 and lay.pack_axis == "K"
-            and tuple(lay.order) == _SEQ8 and lay.value == "uint" and lay.glob < 0
-            and lay.scale >= 0 and lay.scale_dims == ("k", "n") and lay.scale_enc == "float"
-            and lay.group_k == GROUP and lay.group_n == 1
-            and lay.zero == "packed" and lay.zero_dims == ("k", "n") and lay.zero_per_word == 8
-            and tuple(lay.zero_order) == _SEQ8
-            and float(lay.zero_value).is_integer() and 0 <= lay.zero_value <= 16)
+    """Can the kernel read this layout exactly? 4-bit unsigned codes, 8 consecutive k per 32-bit word in
+    order, groups of 128 along K, float scales, no global scale; a constant zero offset c in 0..16 (z + c is
+    OR-ed into the mantissa of bf16 128: 0 <= z + c < 128 keeps the subtraction exact), none beside 8-bit
+    integer zeros. (Any other layout keeps the other kernels.)"""
+    dims = (("k", "n"), ("n", "k"))
+    codes = ((lay.code_dims == ("k", "n") and lay.per_word == 8 and tuple(lay.order) == _SEQ8)
+             or (lay.code_dims == ("n", "k") and lay.per_word == 2 and tuple(lay.order) == (0, 1)))
+    c = float(lay.zero_value)
+    zero = (lay.zero in ("", "const") and c.is_integer() and 0 <= c <= 16) or (
+        lay.zero == "packed" and lay.zero_dims == ("k", "n") and lay.zero_per_word == 8
+        and tuple(lay.zero_order) == _SEQ8 and c.is_integer() and 0 <= c <= 16) or (
+        lay.zero == "int" and lay.zero_dims in dims and c == 0)
+    return (codes and zero and lay.bits == 4 and lay.pack_axis == "K" and lay.value == "uint" and lay.glob < 0
+            and lay.scale >= 0 and lay.scale_dims in dims and lay.scale_enc == "float"
+            and lay.group_k == GROUP and lay.group_n == 1)
 
 
 def split_k_for(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
@@ -150,11 +168,33 @@ def _round_to(v, out_ptr, ASM: tl.constexpr):
 # ----------------------------------------------------------------------------- kernel
 
 
+@triton.jit
+def _minus_zero(wt, z_ptr, t, ln, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
+                ASM: tl.constexpr):
+    """The decoded tile of 128 + q ([BLOCK_N, 128] bf16, or fp32 in the interpreter) minus 128 + z + c,
+    for tile t (one group) and columns ln: small integers, exact."""
+    if ZMODE == 0:
+        z = tl.zeros(ln.shape, tl.int32)
+    elif ZMODE == 1:  # GPTQ: the nibble of column n in word n // 8
+        z = (tl.load(z_ptr + t * SZK + (ln // 8) * SZN) >> (4 * (ln % 8))) & 15
+    else:  # one 8-bit integer per group and column
+        z = tl.load(z_ptr + t * SZK + ln * SZN).to(tl.int32)
+    if not ASM:  # the interpreter adds bf16 tensors as raw 16-bit integers: fp32, exact here
+        return wt.to(tl.float32) - (z.to(tl.float32) + (128.0 + C))[:, None]
+    elif ZMODE == 2:  # 128 + z may not be exact in bf16 (z up to 255): two subtractions
+        return (wt - 128.0) - z.to(tl.bfloat16)[:, None]
+    else:  # (128 + q) - (128 + z + c), both exact: one HADD2 per 2 values
+        return wt - ((z + C) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every M <= 16
-def gptq_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M,
-                    N: tl.constexpr, K: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M,
+                    N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
+                    ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
+                    SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
-    """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups)."""
+    """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
+    each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape."""
     BKW: tl.constexpr = _GROUP // 8  # words per column per tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -168,21 +208,17 @@ def gptq_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     mmask = offs_m < M
     TILES: tl.constexpr = K // _GROUP
     PER: tl.constexpr = TILES // SPLIT_K  # SPLIT_K divides TILES (split_k_for)
-    zshift = 4 * (ln % 8)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    wp = q_ptr + ln[:, None] + tl.arange(0, BKW)[None, :] * N  # the tile's words, tile 0
+    wp = q_ptr + ln[:, None] * SQN + tl.arange(0, BKW)[None, :] * SQK  # the tile's words, tile 0
     for t in range(pid_k * PER, (pid_k + 1) * PER):
-        words = _load_words(wp + t * (BKW * N), ASM)
-        z = (tl.load(z_ptr + t * (N // 8) + ln // 8) >> zshift) & 15
-        s = tl.load(s_ptr + t * N + ln).to(tl.float32)
-        wt = _w_tile(words, BLOCK_N, ASM)  # 128 + q
-        if ASM:  # (128 + q) - (128 + z + c): small integers, exact in bf16 (one HADD2 per 2 values)
-            wt = wt - ((z + ZERO_OFFSET) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]
-            d = tl.dot(wt, _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K))  # fp32 [BLOCK_N, 16]
-        else:  # the interpreter adds and multiplies bf16 tensors as raw 16-bit integers: fp32, exact here
-            wt = wt.to(tl.float32) - (z.to(tl.float32) + (128.0 + ZERO_OFFSET))[:, None]
-            d = tl.dot(wt, _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K).to(tl.float32),
-                       input_precision="ieee")
+        words = _load_words(wp + t * (BKW * SQK), ASM)
+        s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
+        wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z_ptr, t, ln, ZMODE, C, SZK, SZN, ASM)
+        xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K)
+        if ASM:
+            d = tl.dot(wt, xt)  # fp32 [BLOCK_N, 16]
+        else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
+            d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
         acc += d * s[:, None]
     # out^T: out[m, n] = acc[n, m]. (Offsets written out at each use: one shared offset tensor was
     # computed before the loop and held through it, 167 registers against 128.)
@@ -209,25 +245,43 @@ def gptq_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
 # ----------------------------------------------------------------------------- launcher
 
 
-def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: GptqMma) -> None:
+def _strides(dims: tuple, rows_k: int, N: int) -> tuple[int, int]:
+    """(k, n) strides of a contiguous leaf with dims ("k", "n") [rows_k, N] or ("n", "k") [N, rows_k]."""
+    return (N, 1) if dims == ("k", "n") else (1, rows_k)
+
+
+def _shape(dims: tuple, rows_k: int, N: int) -> tuple[int, int]:
+    return (rows_k, N) if dims == ("k", "n") else (N, rows_k)
+
+
+def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma) -> None:
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
-    q, z, s = leaves[lay.code], leaves[lay.zero_leaf], leaves[lay.scale]
     if not layout_fits(lay):
-        raise ValueError("gptq_mma: the layout is not GPTQ's with groups of 128")
+        raise ValueError("int4_mma: the kernel cannot read this layout (see layout_fits)")
     if x.dim() != 2 or not 1 <= x.shape[0] <= M_MAX or x.shape[1] != K or x.dtype != torch.bfloat16:
-        raise ValueError(f"gptq_mma: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"int4_mma: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
     if K % GROUP or N % 8 or (K // GROUP) % cfg.SPLIT_K:
-        raise ValueError(f"gptq_mma: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
-    want = ((q, (K // 8, N), torch.int32), (z, (K // GROUP, N // 8), torch.int32), (s, (K // GROUP, N), None))
-    for t, shape, dtype in want:
-        if tuple(t.shape) != shape or not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
-            raise ValueError(f"gptq_mma: a leaf is {t.dtype} {tuple(t.shape)} with strides {t.stride()}, "
-                             f"the kernel reads contiguous {shape}")
-    if s.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"gptq_mma: scales must be a float dtype, got {s.dtype}")
+        raise ValueError(f"int4_mma: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
+    groups = K // GROUP
+    if _int32_words(lay):
+        want = [(leaves[lay.code], (K // 8, N), (torch.int32,))]
+    else:
+        want = [(leaves[lay.code], (N, K // 2), (torch.uint8,))]
+        if leaves[lay.code].data_ptr() % 4:
+            raise ValueError("int4_mma: the packed bytes must start 4-byte aligned (they are read as words)")
+    want.append((leaves[lay.scale], _shape(lay.scale_dims, groups, N), (torch.bfloat16, torch.float16,
+                                                                        torch.float32)))
+    if lay.zero == "packed":
+        want.append((leaves[lay.zero_leaf], (groups, N // 8), (torch.int32,)))
+    elif lay.zero == "int":
+        want.append((leaves[lay.zero_leaf], _shape(lay.zero_dims, groups, N), (torch.uint8, torch.int8)))
+    for t, shape, dtypes in want:
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype not in dtypes:
+            raise ValueError(f"int4_mma: a leaf is {t.dtype} {tuple(t.shape)} with strides {t.stride()}, the "
+                             f"kernel reads a contiguous {'/'.join(str(d) for d in dtypes)} {shape}")
 
 
-def gptq_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: GptqMma, bias=None,
+def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma, bias=None,
              workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
     fp32 buffer of the split-K partials (tests pass one full of NaN)."""
@@ -240,36 +294,50 @@ def gptq_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Gp
         ws = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device,
                                                                  dtype=torch.float32)
         if tuple(ws.shape) != (cfg.SPLIT_K, M, N) or ws.dtype != torch.float32 or not ws.is_contiguous():
-            raise ValueError(f"gptq_mma: workspace must be a contiguous float32 [{cfg.SPLIT_K}, {M}, {N}]")
+            raise ValueError(f"int4_mma: workspace must be a contiguous float32 [{cfg.SPLIT_K}, {M}, {N}]")
         cnt = split_counters(x.device, tiles_n)
     else:
         ws = cnt = out
-    gptq_mma_kernel[(tiles_n, cfg.SPLIT_K)](
-        x, leaves[lay.code], leaves[lay.zero_leaf], leaves[lay.scale], bias if bias is not None else out, out,
-        ws, cnt, M, N=N, K=K, ZERO_OFFSET=int(lay.zero_value), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET, num_warps=cfg.num_warps, num_stages=1)
+    q = leaves[lay.code] if _int32_words(lay) else leaves[lay.code].view(torch.int32)
+    z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
+    int4_mma_kernel[(tiles_n, cfg.SPLIT_K)](
+        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M,
+        **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
+        ASM=not _INTERPRET, num_warps=cfg.num_warps, num_stages=1)
     return out
+
+
+def _constexprs(lay: PackedLayout, K: int, N: int) -> dict:
+    """The layout's compile-time arguments: shapes, strides, zero mode and constant."""
+    groups = K // GROUP
+    sqk, sqn = _strides(("k", "n") if _int32_words(lay) else ("n", "k"), K // 8, N)
+    szk, szn = (N // 8, 1) if lay.zero == "packed" else _strides(lay.zero_dims, groups, N) if lay.zero == "int" \
+        else (0, 0)
+    ssk, ssn = _strides(lay.scale_dims, groups, N)
+    return dict(N=N, K=K, SQK=sqk, SQN=sqn, ZMODE=ZERO_MODES[lay.zero], C=int(lay.zero_value), SZK=szk, SZN=szn,
+                SSK=ssk, SSN=ssn)
 
 
 # ----------------------------------------------------------------------------- builds for the report
 
 
 def aot_builds():
-    """The configs the dispatcher offers for GPTQ at N = K = 8192 (``decode_mm._packed_candidates``)."""
+    """The configs the dispatcher offers at N = K = 8192 (``decode_mm._packed_candidates``) for GPTQ and
+    for two codes per byte with 8-bit zeros (the demo's W4A16)."""
+    from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS
 
-    from fusekern.kernels import decode_mm as dm
-
     N = K = 8192
-    lay = REPORT_LAYOUTS["gptq"][0]
-    cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
-                         if isinstance(c, GptqMma))
     builds = []
-    for cfg in cfgs:
-        args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr="*i32", s_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16",
-                    ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
-        ce = dict(N=N, K=K, ZERO_OFFSET=0, HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True)
-        builds.append(TritonBuild("gptq_mma", f"BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} "
-                                  f"[{N}x{K}]", gptq_mma_kernel, args, ce, cfg.num_warps, 1))
+    for name in ("gptq", "int4_k_stack"):
+        lay, (_, st, zt) = REPORT_LAYOUTS[name]
+        cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
+                             if isinstance(c, Int4Mma))
+        for cfg in cfgs:
+            args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
+                        ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
+            ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True)
+            builds.append(TritonBuild("int4_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
+                                      f"w{cfg.num_warps} [{N}x{K}]", int4_mma_kernel, args, ce, cfg.num_warps, 1))
     return builds

@@ -1,11 +1,15 @@
-"""GPTQ W4A16 (g128) at decode sizes: the register-decoded tensor-core kernel against the other packed kernels.
+"""W4A16 (g128) at decode sizes: the register-decoded int4 tensor-core kernel against the other packed kernels.
 
-    python benchmarks/bench_gptq_mma.py [--csv OUT.csv] [--shapes 8192x8192,...] [--ms 1,16]
+    python benchmarks/bench_int4_mma.py [--csv OUT.csv] [--formats gptq,int4_k_stack] [--shapes 8192x8192,...]
+                                        [--ms 1,16]
+
+Formats: GPTQ (int32 words, packed zeros) and two codes per byte with uint8 zeros (the demo's W4A16).
 
 Per shape (N x K) and M: every config the dispatcher offers (``decode_mm.candidates``: GEMV tiles,
-swap-AB ``packed_dot`` tiles, ``gptq_mma``, decode + cuBLAS), each checked against the float64 reference
+swap-AB ``packed_dot`` tiles, ``int4_mma``, decode + cuBLAS), each checked against the float64 reference
 and timed in a CUDA graph (``do_bench_cudagraph``, median), and the one ``decode_mm.tuned_config`` picks
-(``chosen``). The floor moves the codes, zeros and scales once at 4.3 TB/s.
+(``chosen``). The floor moves the codes, zeros and scales once at 4.3 TB/s. (benchmarks/results/h200/
+gptq_mma.csv is this script's GPTQ run when it was bench_gptq_mma.py and the kernel gptq_mma.)
 """
 from __future__ import annotations
 
@@ -26,22 +30,23 @@ SHAPES = "8192x8192,4096x4096,14336x4096,4096x14336,128256x4096"
 BANDWIDTH = 4.3e12
 
 
-def floor_us(N: int, K: int, M: int) -> float:
-    weight = K * N // 2 + (K // 128) * (N // 8) * 4 + (K // 128) * N * 2
+def floor_us(leaves, N: int, K: int, M: int) -> float:
+    weight = sum(t.numel() * t.element_size() for t in leaves)
     return (weight + 2 * M * (K + N)) / BANDWIDTH * 1e6
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--formats", default="gptq,int4_k_stack")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
-    case = BY_NAME["gptq"]
-    for shape in args.shapes.split(","):
+    for fmt, shape in ((f, s) for f in args.formats.split(",") for s in args.shapes.split(",")):
+        case = BY_NAME[fmt]
         N, K = map(int, shape.split("x"))
         torch.manual_seed(0)
         ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
@@ -57,11 +62,11 @@ def main():
                                      lay.to_text(), x.dtype):
                 if not isinstance(cfg, (dm.Config, dm.DequantConfig)):  # the hand-tuned kernels (and their decode)
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
-                    row = dict(**meta, N=N, K=K, M=M, kernel=type(cfg).__name__, config=str(cfg),
+                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=type(cfg).__name__, config=str(cfg),
                                chosen=cfg == chosen, us=us if isinstance(us, str) else round(us, 2),
-                               floor_us=round(floor_us(N, K, M), 2), rel_err=f"{err:.2e}")
+                               floor_us=round(floor_us(leaves, N, K, M), 2), rel_err=f"{err:.2e}")
                     out.write(row)
-                    print(f"{N}x{K} M={M:3d} {str(cfg):80s} {row['us']!s:>8} us  floor {row['floor_us']}  "
+                    print(f"{fmt} {N}x{K} M={M:3d} {str(cfg):80s} {row['us']!s:>8} us  floor {row['floor_us']}  "
                           f"err {row['rel_err']}{'  <- chosen' if row['chosen'] else ''}", flush=True)
     out.close()
 
