@@ -29,16 +29,16 @@ from fusekern.kernels import sampler as S
 V, T, K, P = 128256, 0.8, 50, 0.9
 
 
-def configs(B: int):
+def configs(B: int, warps: int):
     """CTAs per row (the span), candidate slots per chunk and steps gathered at once (2048-token steps on
-    4 warps, 4 tokens per thread in the passes that re-read a chunk)."""
+    the default's warps, 4 tokens per thread in the passes that re-read a chunk)."""
     grid = {1: ((12, 16, 24, 32), (64, 128), (None,)), 8: ((8, 12, 16, 24), (64, 128), (None,)),
             32: ((8, 16), (64, 128), (None, 16)), 256: ((3, 4, 6), (128,), (8, 16, 32)),
             512: ((1, 2, 3), (128,), (8, 16))}
     ctas_list, slots_list, gathers = grid.get(B, ((1, 2, 4), (128,), (None,)))
     for ctas, slots, gather in itertools.product(ctas_list, slots_list, gathers):
         span = S.cdiv(S.cdiv(V, ctas), 2048) * 2048
-        cfg = dict(block=2048, warps=4, span=span, sub=512, slots=slots)
+        cfg = dict(block=2048, warps=warps, span=span, sub=S.sub_block(warps), slots=slots)
         yield cfg if gather is None else dict(cfg, gather=gather)
 
 
@@ -65,7 +65,8 @@ def main():
         want = S.sample_reference(logits, T, K, P, q=q).tolist()
         block = S.chunk_block(B, V)
         span = S.chunk_span(B, V, block, torch.cuda.get_device_properties(0).multi_processor_count)
-        warps = S.chunk_warps(block, 16, B * triton.cdiv(V, span), torch.cuda.get_device_properties(0).multi_processor_count)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        warps = S.chunk_warps(block, 16, B * triton.cdiv(V, span), sms)
         default = dict(block=block, warps=warps, span=span, sub=min(S.sub_block(warps), block),
                        slots=S.slots_for(S.keys_per_chunk(K, block), triton.cdiv(V, span), K))
         best = None
@@ -73,7 +74,7 @@ def main():
             others = [dict(default, block=int(b), warps=int(w), sub=min(S.sub_block(int(w)), int(b)))
                       for b, w in (pair.split(":") for pair in args.block_warps.split(","))]
         else:
-            others = [] if args.default_only else list(configs(B))
+            others = [] if args.default_only else list(configs(B, warps))
         for cfg in [default, *others]:
             try:
                 got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()

@@ -200,23 +200,37 @@ def test_dispatch_offers_packed_kernels_first():
 
 
 def test_tuning_never_picks_a_fast_wrong_kernel():
-    """The first call times every candidate; one whose output is off from torch's decode + matmul (a
-    kernel wrong on this GPU), NaN, or that fails is skipped, however fast."""
-    ref = torch.randn(4, 64, dtype=torch.bfloat16)
-    outs = {"right": ref.clone(), "wrong": ref + 1, "nan": ref * float("nan"), "close": (ref.float() * 1.002).bfloat16(),
-            "fails": None}
-    times = {"right": 3.0, "wrong": 1.0, "nan": 0.5, "close": 2.0, "fails": 0.1}
+    """The first call checks every candidate on its own probe rows, then times it on the caller's; one
+    whose output is off anywhere (a kernel wrong on this GPU: here one wrong column of 64), NaN, or that
+    fails is skipped, however fast; one that refuses the input (ValueError) too."""
+    probe, x = torch.randn(4, 32), torch.full((4, 32), float("nan"))  # the caller's rows may be garbage
+    w = torch.randn(32, 64)
+    ref = (probe @ w).bfloat16()
+    one_column = ref.clone()
+    one_column[:, 63] += 4 * ref.float().abs().mean().bfloat16()
+    outs = {"right": ref.clone(), "column": one_column, "nan": ref * float("nan"),
+            "close": (ref.float() * 1.002).bfloat16(), "fails": RuntimeError("does not compile"),
+            "refuses": ValueError("cannot read these leaves")}
+    times = {"right": 3.0, "column": 1.0, "nan": 0.5, "close": 2.0, "fails": 0.1, "refuses": 0.1}
+    timed = []
 
-    def run_of(name):
+    def run_of(name, rows):
         def run():
-            if outs[name] is None:
-                raise RuntimeError("does not fit")
-            return outs[name]
-        run.name = name
+            if isinstance(outs[name], Exception):
+                raise outs[name]
+            return outs[name] if rows is probe else torch.full_like(ref, float("nan"))
+        run.name, run.rows = name, rows
         return run
 
-    assert dm.fastest_correct(list(outs), run_of, lambda run: times[run.name], ref, "a test weight") == "close"
-    assert dm.fastest_correct(["wrong", "nan", "fails"], run_of, lambda run: times[run.name], ref, "w") is None
+    def time_of(run):
+        timed.append((run.name, run.rows is x))
+        return times[run.name]
+
+    assert dm.fastest_correct(list(outs), run_of, x, probe, time_of, ref, "a test weight") == "close"
+    assert ("column", True) not in timed and ("close", True) in timed  # timed on the caller's rows
+    assert dm.fastest_correct(["column", "nan", "fails", "refuses"], run_of, x, probe, time_of, ref, "w") is None
+    # nothing to check against: timing alone, as before the check
+    assert dm.fastest_correct(["right", "column"], run_of, x, probe, time_of, None, "w") == "column"
 
 
 def test_rewrite_passes_the_layout():

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fusekern.kernels.int4_mma import _load_words, _w_tile  # noqa: E402
+from fusekern.kernels.int4_mma import _load_words_nc as _load_words, _w_tile  # noqa: E402
 
 GROUP = 128
 VARIANTS = ("sub", "bias", "tlload")

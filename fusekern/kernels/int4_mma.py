@@ -33,6 +33,7 @@ Read top to bottom: config and layout check -> decode helpers -> kernel -> launc
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ def _int32_words(lay: PackedLayout) -> bool:
     return lay.code_dims == ("k", "n")
 
 
+@functools.lru_cache(maxsize=256)
 def layout_fits(lay: PackedLayout) -> bool:
     """Can the kernel read this layout exactly? 4-bit unsigned codes, 8 consecutive k per 32-bit word in
     order, groups of 128 along K, float scales, no global scale; a constant zero offset c in 0..16 (z + c is
@@ -74,7 +76,7 @@ def layout_fits(lay: PackedLayout) -> bool:
     codes = ((lay.code_dims == ("k", "n") and lay.per_word == 8 and tuple(lay.order) == _SEQ8)
              or (lay.code_dims == ("n", "k") and lay.per_word == 2 and tuple(lay.order) == (0, 1)))
     c = float(lay.zero_value)
-    zero = (lay.zero in ("", "const") and c.is_integer() and 0 <= c <= 16) or (
+    zero = (lay.zero == "" and c == 0) or (lay.zero == "const" and c.is_integer() and 0 <= c <= 16) or (
         lay.zero == "packed" and lay.zero_dims == ("k", "n") and lay.zero_per_word == 8
         and tuple(lay.zero_order) == _SEQ8 and c.is_integer() and 0 <= c <= 16) or (
         lay.zero == "int" and lay.zero_dims in dims and c == 0)
@@ -95,7 +97,7 @@ def split_k_for(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
 
 
 @triton.jit
-def _load_words(ptrs, ASM: tl.constexpr):
+def _load_words_nc(ptrs, ASM: tl.constexpr):
     """int32 code words at ``ptrs``, each thread loading the words it decodes (inline ld.global.nc: the
     layout follows the consumer, so the words need no shared memory; tl.load would pick a coalesced
     layout and convert through shared memory)."""
@@ -171,8 +173,8 @@ def _round_to(v, out_ptr, ASM: tl.constexpr):
 @triton.jit
 def _minus_zero(wt, z_ptr, t, ln, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                 ASM: tl.constexpr):
-    """The decoded tile of 128 + q ([BLOCK_N, 128] bf16, or fp32 in the interpreter) minus 128 + z + c,
-    for tile t (one group) and columns ln: small integers, exact."""
+    """The decoded tile of 128 + q ([BLOCK_N, 128] bf16) minus 128 + z + c, for tile t (one group) and
+    columns ln: small integers, exact (bf16; fp32 in the interpreter)."""
     if ZMODE == 0:
         z = tl.zeros(ln.shape, tl.int32)
     elif ZMODE == 1:  # GPTQ: the nibble of column n in word n // 8
@@ -211,7 +213,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     wp = q_ptr + ln[:, None] * SQN + tl.arange(0, BKW)[None, :] * SQK  # the tile's words, tile 0
     for t in range(pid_k * PER, (pid_k + 1) * PER):
-        words = _load_words(wp + t * (BKW * SQK), ASM)
+        words = _load_words_nc(wp + t * (BKW * SQK), ASM)
         s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
         wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z_ptr, t, ln, ZMODE, C, SZK, SZN, ASM)
         xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K)
@@ -254,12 +256,14 @@ def _shape(dims: tuple, rows_k: int, N: int) -> tuple[int, int]:
     return (rows_k, N) if dims == ("k", "n") else (N, rows_k)
 
 
-def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma) -> None:
+def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma, bias=None) -> None:
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
     if not layout_fits(lay):
         raise ValueError("int4_mma: the kernel cannot read this layout (see layout_fits)")
     if x.dim() != 2 or not 1 <= x.shape[0] <= M_MAX or x.shape[1] != K or x.dtype != torch.bfloat16:
         raise ValueError(f"int4_mma: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
+        raise ValueError(f"int4_mma: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
     if K % GROUP or N % 8 or (K // GROUP) % cfg.SPLIT_K:
         raise ValueError(f"int4_mma: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
     groups = K // GROUP
@@ -284,8 +288,8 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
 def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma, bias=None,
              workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
-    fp32 buffer of the split-K partials (tests pass one full of NaN)."""
-    check(x, leaves, lay, K, N, cfg)
+    fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split)."""
+    check(x, leaves, lay, K, N, cfg, bias)
     x = x.contiguous()  # (the kernel reads rows K apart; a copy of at most 16 rows where they are not)
     M = x.shape[0]
     tiles_n = cdiv(N, cfg.BLOCK_N)
@@ -307,6 +311,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     return out
 
 
+@functools.lru_cache(maxsize=256)  # (per call otherwise: the op runs per token)
 def _constexprs(lay: PackedLayout, K: int, N: int) -> dict:
     """The layout's compile-time arguments: shapes, strides, zero mode and constant."""
     groups = K // GROUP

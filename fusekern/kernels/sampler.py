@@ -66,7 +66,8 @@ def chunk_warps(block: int, key_bits: int = 16, ctas: int | None = None, sms: in
     against 15.15 and B = 256 65.1 against 48.0; faster on each of six draws of the logits at B = 1 and 8,
     `sampler_draws.csv`). fp32 keys take more registers: 8 warps (4 spilled on Triton 3.9)."""
     if block <= 2048 and key_bits == 16:
-        return 8 if ctas is not None and ctas <= sms else 4
+        # (only 2048-token steps were measured on 8 warps: smaller vocabularies keep 4)
+        return 8 if ctas is not None and ctas <= sms and block == 2048 else 4
     return 8
 
 
