@@ -199,6 +199,22 @@ def test_dispatch_offers_packed_kernels_first():
     assert not any(isinstance(c, (pm.PackedGemv, pm.PackedDot)) for c in dm.candidates(1, 8192, 8192))
 
 
+def test_every_launch_compiles_for_sm90():
+    """The interpreter never compiles: every launch the kernel tests above make (real argument dtypes, each
+    config, odd and even shapes) is compiled for sm_90a in a subprocess without it. (The fp8 formats'
+    tensor-core and decode configs once passed here on CPU and failed to compile on the H200: an fp8
+    pointer stood in for the absent zero point.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fusekern.testing.sm90_launches", *(c.name for c in KNOWN)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(": ok") >= 10 * len(KNOWN)  # two shapes x the configs that fit, per format
+
+
 def test_tuning_never_picks_a_fast_wrong_kernel():
     """The first call checks every candidate on its own probe rows, then times it on the caller's; one
     whose output is off anywhere (a kernel wrong on this GPU: here one wrong column of 64), NaN, or that

@@ -679,13 +679,18 @@ def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
 
 
 def _ptrs(lay: PackedLayout, leaves) -> tuple:
-    """The code, scale, zero and global leaves (the code leaf for an absent one); fp8 leaves as bytes,
-    bitcast in the kernel."""
+    """The code, scale, zero and global leaves; fp8 codes and scales as bytes, bitcast in the kernel. An
+    absent leaf is the code leaf as passed (bytes for fp8): its loads are never run, but Triton still
+    compiles them, and an fp8 pointer typed the dummy zero's ``other=0`` into a compile error (every
+    tensor-core and decode config of the fp8 formats failed to compile on the H200)."""
     q = leaves[lay.code]
+    if q.dtype in FP8:
+        q = q.view(torch.uint8)
     s = leaves[lay.scale] if lay.scale >= 0 else q
+    if s.dtype in FP8:
+        s = s.view(torch.uint8)
     z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else q
     g = leaves[lay.glob] if lay.glob >= 0 else q
-    q, s = (t.view(torch.uint8) if t.dtype in FP8 else t for t in (q, s))
     return q, s, z, g
 
 
