@@ -21,6 +21,7 @@ from fusekern.patterns.decode.program import DecodeProgram
 from fusekern.testing import rel_err
 from fusekern.testing.decode_cones import decode_program
 from fusekern.testing.decode_zoo import BY_NAME, CASES
+from fusekern.testing.sm90_launches import configs  # the configs these tests run (and sm90_launches compiles)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -108,13 +109,6 @@ def test_unsigned_byte_wraparound_is_not_taken_for_a_subtraction():
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-def configs(lay, M):
-    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
-    if M > 1:
-        out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
-    return [c for c in out if pm.fits(lay, c)]
 
 
 def run(x, leaves, lay, prog, cfg, bias=None):
