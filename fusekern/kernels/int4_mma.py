@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
@@ -266,6 +267,15 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError(f"int4_mma: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
     if K % GROUP or N % 8 or (K // GROUP) % cfg.SPLIT_K:
         raise ValueError(f"int4_mma: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
+    if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
+        _check_leaves(leaves, lay, K, N)
+        _LEAVES_OK.put((lay, K, N), leaves, True)
+
+
+_LEAVES_OK = LeafCache()  # leaf sets already checked for a layout and shape
+
+
+def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
     groups = K // GROUP
     if _int32_words(lay):
         want = [(leaves[lay.code], (K // 8, N), (torch.int32,))]
