@@ -48,7 +48,8 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
     """AOT-compile ``kernel`` (a triton.jit function) for sm_90a, specialized as a launch would be.
 
     ``args`` gives each runtime argument: a pointer as its type string (``"*bf16"``; assumed 16-byte
-    aligned, as torch allocations are), a float scalar as a float, an integer as a representative value. Like Triton's launcher,
+    aligned, as torch allocations are), a tensor descriptor as its type string (``"tensordesc<i32[16,
+    64]>"``), None for an unused one, a float scalar as a float, an integer as a representative value. Like Triton's launcher,
     an integer equal to 1 becomes a constant and one divisible by 16 gets a divisibility hint, so the
     code (vector widths, registers) is the code that runs for such arguments.
     """
@@ -62,7 +63,12 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
         if name not in args:
             raise ValueError(f"compile_sm90: no value for argument {name!r} of {kernel.__name__}")
         value = args[name]
-        if isinstance(value, float):
+        if value is None:  # an argument the specialization does not use (Triton makes None a constant)
+            signature[name] = "constexpr"
+            constants[name] = None
+        elif isinstance(value, str) and value.startswith("tensordesc"):
+            signature[name] = value  # a TMA descriptor: "tensordesc<i32[16, 64]>"
+        elif isinstance(value, float):
             signature[name] = "fp32"
         elif isinstance(value, str):
             signature[name] = value

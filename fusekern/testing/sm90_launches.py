@@ -15,6 +15,8 @@ import os
 import sys
 
 import torch
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.aot import compile_sm90
@@ -40,14 +42,16 @@ class _Recorder:
         def launch(*args, **kwargs):
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
             names = [n for n in self.fn.arg_names if n not in kwargs]
-            runtime = {n: _POINTER[v.dtype] if isinstance(v, torch.Tensor) else v for n, v in zip(names, args)}
+            runtime = {n: _POINTER[v.dtype] if isinstance(v, torch.Tensor) else
+                       mangle_type(v) if isinstance(v, TensorDescriptor) else v for n, v in zip(names, args)}
             self.launches.append((self.fn, runtime, kwargs, options))
         return launch
 
 
 def configs(lay, M: int) -> list:
     """The configs the kernel tests run (tests/test_packed_mm.py imports them from here)."""
-    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
+    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64),
+           pm.PackedGemv(64, 128, 2, 4, tma=True)]
     if M > 1:
         out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
     return [c for c in out if pm.fits(lay, c)]
