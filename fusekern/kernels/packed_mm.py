@@ -406,14 +406,14 @@ def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr, I64: tl.cons
 
 @triton.jit
 def packed_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
     BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, TMA: tl.constexpr = 0,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
 ):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
 
@@ -424,12 +424,7 @@ def packed_gemv_kernel(
     values share one group: GK % P == 0; whole-tile groups load one scale row). Without VEC_K,
     K-contiguous words are read one per thread so that a thread holds several columns (x reuse) rather
     than several words of one column. (Loading the next tile's words before decoding this one did not
-    help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks.
-
-    TMA: the words come through ``q_desc``, a tensor descriptor, so Triton pipelines them through shared
-    memory ``num_stages`` deep (it pipelines plain loads only when they feed a dot: without this each
-    iteration waits a full memory latency). 1: words laid out [KW, N]; 2: [N, KW] (contiguous along K,
-    transposed after the load). Words past the tensor's edge arrive as zeros (their x is masked)."""
+    help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -452,12 +447,7 @@ def packed_gemv_kernel(
         ar = tl.max_contiguous(ar, 1)
     for t in range(t0, t1):
         kw = t * BKW + ar
-        if TMA == 1:
-            words = q_desc.load([t * BKW, pid_n * BLOCK_N])
-        elif TMA == 2:
-            words = tl.trans(q_desc.load([pid_n * BLOCK_N, t * BKW]))
-        else:
-            words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN, I64)
+        words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN, I64)
         if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
         if VALUE == 1:  # signed bytes read as byte + 128: flip every byte's sign bit once per word
@@ -611,7 +601,6 @@ class PackedGemv:
     num_warps: int
     num_stages: int = 3
     vec_k: bool = False  # K-contiguous words: vector loads along K (else one word per thread, x reused)
-    tma: bool = False  # words through a TMA descriptor, pipelined num_stages deep (where they allow it)
 
 
 @dataclass(frozen=True)
@@ -750,35 +739,14 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         out = workspace[0] if workspace is not None else torch.empty((M, N), device=x.device, dtype=x.dtype)
         ws = cnt = out
     has_bias = bias is not None
-    tma, desc = _tma_words(leaves[lay.code], lay, word_i32, cfg) if cfg.tma else (0, None)
     packed_gemv_kernel[(tiles_n, cfg.SPLIT_K, M)](
-        x, *ptrs, bias if has_bias else x, out, ws, cnt, desc, M, N, K, kw,
+        x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
         P=p, KPOS=_kpos(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
-        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31, TMA=tma,
+        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return out
-
-
-def _tma_words(q: torch.Tensor, lay: PackedLayout, word_i32: bool, cfg: PackedGemv):
-    """(TMA mode, descriptor) for the GEMV's words, or (0, None) where TMA cannot read them (the kernel
-    then loads them directly: same result, not pipelined). TMA wants 4-byte words here, a 2-D tensor with
-    unit stride along its last dim, other strides and the base 16-byte aligned, boxes of <= 256."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if q.dim() != 2 or sorted(lay.code_dims) != ["k", "n"] or q.device.type not in ("cuda", "cpu"):
-        return 0, None
-    if word_i32:
-        q = q.view(torch.int32)
-    if q.element_size() != 4 or q.stride(1) != 1 or q.stride(0) % 4 or q.data_ptr() % 16:
-        return 0, None
-    bkw = cfg.BLOCK_K // (lay.per_word * (4 if word_i32 else 1))
-    if bkw > 256 or cfg.BLOCK_N > 256:
-        return 0, None
-    if lay.code_dims == ("k", "n"):
-        return 1, TensorDescriptor(q, list(q.shape), list(q.stride()), [bkw, cfg.BLOCK_N])
-    return 2, TensorDescriptor(q, list(q.shape), list(q.stride()), [cfg.BLOCK_N, bkw])
 
 
 @functools.lru_cache(maxsize=256)

@@ -50,8 +50,7 @@ class _Recorder:
 
 def configs(lay, M: int) -> list:
     """The configs the kernel tests run (tests/test_packed_mm.py imports them from here)."""
-    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64),
-           pm.PackedGemv(64, 128, 2, 4, tma=True)]
+    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
     if M > 1:
         out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
     return [c for c in out if pm.fits(lay, c)]
