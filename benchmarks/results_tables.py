@@ -186,9 +186,31 @@ def int4_mma(rows: list[dict]) -> list[str]:
     return out
 
 
+def int4_mma_tma_sweep(rows: list[dict]) -> list[str]:
+    """int4_mma with its words through TMA against direct loads: the fastest config of each per shape."""
+    by: dict = {}
+    for r in rows:
+        key = (r["format"], int(r["N"]), int(r["K"]), int(r["M"]))
+        cell = by.setdefault(key, {"floor": float(r["floor_us"])})
+        try:
+            us = float(r["us"])
+        except ValueError:  # did not compile or fit
+            continue
+        kind = "tma" if r["tma"] == "True" else "direct"
+        if us < cell.get(kind, (math.inf,))[0]:
+            cell[kind] = (us, r["config"].split("SPLIT_K=")[1].split(",")[0], r["config"].split("num_stages=")[1][0])
+    out = ["| format | N x K | M | floor | direct loads | TMA words | TMA split / stages | × floor (TMA) |",
+           "|---" * 8 + "|"]
+    for (fmt, n, k, m), c in by.items():
+        d, t = c.get("direct", (math.nan,)), c.get("tma", (math.nan, "–", "–"))
+        out.append(f"| {fmt} | {n} x {k} | {m} | {c['floor']:.1f} | {_num(d[0])} | {_num(t[0])} | {t[1]} / {t[2]} | "
+                   f"{t[0] / c['floor']:.2f} |")
+    return out
+
+
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
-          "decode_mm_shapes": decode_mm_shapes,
+          "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
           "e2e_decode": e2e_decode}
 
 

@@ -60,6 +60,29 @@ def test_matches_reference(K, N, split_k, block_n, M, fmt):
     assert rel_err(got.cpu(), want.cpu()) < TOL
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "misaligned"])
+def test_tma_words_match_reference(fmt, offset):
+    """Words through a TMA descriptor (a tail tile: TMA fills the columns past N with zeros); a base that is
+    not 16-byte aligned falls back to direct loads, with the same result."""
+    K, N, M = 256, 136, 3
+    prog, lay, leaves, x = setup(K, N, M, fmt=fmt)
+    q = leaves[lay.code]
+    if offset:  # the same codes, 4 bytes into a fresh buffer
+        flat = torch.empty(q.numel() * q.element_size() + 16, dtype=torch.uint8, device=q.device)
+        view = flat[offset:offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+        view.copy_(q)
+        leaves = list(leaves)
+        leaves[lay.code] = view
+        assert view.data_ptr() % 16 == offset
+    cfg = im.Int4Mma(128, 2, 4, tma=True, num_stages=3)
+    assert im._tma_words(im._words_i32(leaves, lay), lay, cfg)[0] == (0 if offset else 1 if fmt == "gptq" else 2)
+    want = pm.packed_mm_reference(x, leaves, lay, K, N)
+    got = run(x, leaves, lay, K, N, cfg)
+    assert got.shape == (M, N) and not got.isnan().any()
+    assert rel_err(got.cpu(), want.cpu()) < TOL
+
+
 def test_zero_offset_bias_and_strided_rows():
     """GPTQ v1's zeros stored minus one (the program adds 1), a bias in the epilogue and one added after
     (not a contiguous [N] vector), rows misaligned and column-major."""
@@ -93,7 +116,8 @@ def test_offered_only_where_it_computes_the_program():
     _, lay64, _, _ = setup(256, 64, 1, group=64)
     mma = lambda M, lay, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                 if isinstance(c, im.Int4Mma)]
-    assert [c.SPLIT_K for c in mma(1, lay)] == [8, 4] and mma(16, lay, x_dtype=torch.bfloat16)
+    assert [(c.SPLIT_K, c.tma) for c in mma(1, lay)] == [(8, False), (4, False), (8, True), (4, True)]
+    assert mma(16, lay, x_dtype=torch.bfloat16)
     assert not mma(32, lay)                                 # more rows than the MMA's 16
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
     assert not im.layout_fits(lay64) and not mma(1, lay64)  # groups of 64: a tile holds two

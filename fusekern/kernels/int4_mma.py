@@ -24,10 +24,12 @@ Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slowe
   constants).
 - Split K over SPLIT_K programs per column tile, reduced in the same launch by the last program of the
   tile (split order: deterministic), as the GEMV does.
+- Optionally (``tma=True``) the words come through a TMA descriptor, pipelined num_stages deep through
+  shared memory, and each group's scale and zero are loaded one tile ahead.
 H200, GPTQ, N = K = 8192 (`benchmarks/results/h200/gptq_mma.csv`): 16.1 us at M = 1 (GEMV 17.1) and 17.4 at
-M = 16 (the swap-AB ``packed_dot`` tile 574). The two-per-byte packing and the 8-bit zeros were added after
-that run and have not run on a GPU yet; the dispatcher times every kernel per shape and skips one whose
-output is off (``decode_mm.tuned_config``).
+M = 16 (the swap-AB ``packed_dot`` tile 574); with TMA words 15.7 and 16.6, and two codes per byte 18.6 and
+19.2 against 22.4 and 24.3 direct (`int4_mma_tma_sweep.csv`). The dispatcher times every kernel per shape
+and skips one whose output is off (``decode_mm.tuned_config``).
 
 Read top to bottom: config and layout check -> decode helpers -> kernel -> launcher -> builds.
 """
@@ -60,6 +62,8 @@ class Int4Mma:
     BLOCK_N: int = 128
     SPLIT_K: int = 8
     num_warps: int = 4
+    tma: bool = False  # words through a TMA descriptor, pipelined num_stages deep (where aligned)
+    num_stages: int = 1
 
 
 def _int32_words(lay: PackedLayout) -> bool:
@@ -172,16 +176,21 @@ def _round_to(v, out_ptr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _minus_zero(wt, z_ptr, t, ln, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
-                ASM: tl.constexpr):
-    """The decoded tile of 128 + q ([BLOCK_N, 128] bf16) minus 128 + z + c, for tile t (one group) and
-    columns ln: small integers, exact (bf16; fp32 in the interpreter)."""
+def _zero_of(z_ptr, t, ln, ZMODE: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr):
+    """Tile t's zero point per column ln (int32; 0 without one)."""
     if ZMODE == 0:
         z = tl.zeros(ln.shape, tl.int32)
     elif ZMODE == 1:  # GPTQ: the nibble of column n in word n // 8
         z = (tl.load(z_ptr + t * SZK + (ln // 8) * SZN) >> (4 * (ln % 8))) & 15
     else:  # one 8-bit integer per group and column
         z = tl.load(z_ptr + t * SZK + ln * SZN).to(tl.int32)
+    return z
+
+
+@triton.jit
+def _minus_zero(wt, z, ZMODE: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
+    """The decoded tile of 128 + q ([BLOCK_N, 128] bf16) minus 128 + z + c (z: its group's zero point per
+    column): small integers, exact (bf16; fp32 in the interpreter)."""
     if not ASM:  # the interpreter adds bf16 tensors as raw 16-bit integers: fp32, exact here
         return wt.to(tl.float32) - (z.to(tl.float32) + (128.0 + C))[:, None]
     elif ZMODE == 2:  # 128 + z may not be exact in bf16 (z up to 255): two subtractions
@@ -191,13 +200,16 @@ def _minus_zero(wt, z_ptr, t, ln, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every M <= 16
-def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M,
+def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, M,
                     N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
                     ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                     SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr = 0):
     """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
-    each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape."""
+    each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape.
+    TMA: the words come through ``q_desc`` (1: GPTQ's [K/8, N]; 2: [N, K/8]), which Triton pipelines
+    through shared memory num_stages deep; the load from shared memory lands in the layout the decode
+    needs. Without it each tile's words are waited for a full memory latency."""
     BKW: tl.constexpr = _GROUP // 8  # words per column per tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -213,10 +225,25 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     PER: tl.constexpr = TILES // SPLIT_K  # SPLIT_K divides TILES (split_k_for)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     wp = q_ptr + ln[:, None] * SQN + tl.arange(0, BKW)[None, :] * SQK  # the tile's words, tile 0
+    if TMA != 0:  # the next tile's scale and zero are loaded one tile ahead (the words are pipelined)
+        s_next = tl.load(s_ptr + pid_k * PER * SSK + ln * SSN)
+        z_next = _zero_of(z_ptr, pid_k * PER, ln, ZMODE, SZK, SZN)
     for t in range(pid_k * PER, (pid_k + 1) * PER):
-        words = _load_words_nc(wp + t * (BKW * SQK), ASM)
-        s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
-        wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z_ptr, t, ln, ZMODE, C, SZK, SZN, ASM)
+        if TMA != 0:
+            s = s_next.to(tl.float32)
+            z = z_next
+            tn = tl.minimum(t + 1, TILES - 1)  # (the last tile loads its own again: in bounds, unused)
+            s_next = tl.load(s_ptr + tn * SSK + ln * SSN)
+            z_next = _zero_of(z_ptr, tn, ln, ZMODE, SZK, SZN)
+            if TMA == 1:
+                words = tl.trans(q_desc.load([t * BKW, pid_n * BLOCK_N]))
+            else:
+                words = q_desc.load([pid_n * BLOCK_N, t * BKW])
+        else:
+            words = _load_words_nc(wp + t * (BKW * SQK), ASM)
+            s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
+            z = _zero_of(z_ptr, t, ln, ZMODE, SZK, SZN)
+        wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z, ZMODE, C, ASM)
         xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K)
         if ASM:
             d = tl.dot(wt, xt)  # fp32 [BLOCK_N, 16]
@@ -312,13 +339,31 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
         cnt = split_counters(x.device, tiles_n)
     else:
         ws = cnt = out
-    q = leaves[lay.code] if _int32_words(lay) else leaves[lay.code].view(torch.int32)
+    q = _words_i32(leaves, lay)
     z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
+    tma, desc = _tma_words(q, lay, cfg) if cfg.tma else (0, None)
     int4_mma_kernel[(tiles_n, cfg.SPLIT_K)](
-        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M,
+        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M,
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
-        ASM=not _INTERPRET, num_warps=cfg.num_warps, num_stages=1)
+        ASM=not _INTERPRET, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _words_i32(leaves, lay: PackedLayout) -> torch.Tensor:
+    """The codes as int32 words ([K/8, N] GPTQ, or the bytes [N, K/2] read as [N, K/8])."""
+    return leaves[lay.code] if _int32_words(lay) else leaves[lay.code].view(torch.int32)
+
+
+def _tma_words(q: torch.Tensor, lay: PackedLayout, cfg: Int4Mma):
+    """(TMA mode, descriptor) for the words ([K/8, N] or [N, K/8] int32, contiguous: checked), or (0, None)
+    where the base is not 16-byte aligned (TMA's rule; the kernel then loads the words directly)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if q.data_ptr() % 16:
+        return 0, None
+    if _int32_words(lay):
+        return 1, TensorDescriptor(q, list(q.shape), list(q.stride()), [GROUP // 8, cfg.BLOCK_N])
+    return 2, TensorDescriptor(q, list(q.shape), list(q.stride()), [cfg.BLOCK_N, GROUP // 8])
 
 
 @functools.lru_cache(maxsize=256)  # (per call otherwise: the op runs per token)
@@ -350,9 +395,14 @@ def aot_builds():
         cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
                              if isinstance(c, Int4Mma))
         for cfg in cfgs:
+            tma = (1 if _int32_words(lay) else 2) if cfg.tma else 0
+            block = [GROUP // 8, cfg.BLOCK_N] if tma == 1 else [cfg.BLOCK_N, GROUP // 8]
             args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
-                        ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
-            ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True)
+                        ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
+                        q_desc=f"tensordesc<i32{block}>" if tma else None)
+            ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True,
+                      TMA=tma)
             builds.append(TritonBuild("int4_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
-                                      f"w{cfg.num_warps} [{N}x{K}]", int4_mma_kernel, args, ce, cfg.num_warps, 1))
+                                      f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''} [{N}x{K}]",
+                                      int4_mma_kernel, args, ce, cfg.num_warps, cfg.num_stages))
     return builds

@@ -1,0 +1,79 @@
+"""int4_mma with its words read through TMA (pipelined num_stages deep) against direct loads.
+
+    python benchmarks/sweep_int4_mma_tma.py [--csv OUT.csv] [--formats gptq,int4_k_stack] [--shapes ...]
+                                            [--ms 1,16]
+
+Every config is checked against the float64 reference and timed in a CUDA graph (``do_bench_cudagraph``,
+median); the floor moves the codes, zeros and scales once at 4.3 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
+from bench_int4_mma import floor_us
+from fusekern.kernels import int4_mma as im
+from fusekern.kernels import packed_mm as pm
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.layout import derive_layout
+from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.testing.decode_cones import decode_program
+from fusekern.testing.decode_zoo import BY_NAME
+
+
+def configs(N: int, K: int, sms: int) -> list:
+    out = []
+    for per_sm in (4, 2):
+        sk = im.split_k_for(N, K, 128, sms, per_sm)
+        out.append(im.Int4Mma(128, sk, 4))
+        for stages in (2, 3, 4):
+            out.append(im.Int4Mma(128, sk, 4, tma=True, num_stages=stages))
+    return list(dict.fromkeys(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--formats", default="gptq,int4_k_stack")
+    ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336")
+    ap.add_argument("--ms", default="1,16")
+    args = ap.parse_args()
+    warm_up_clocks()
+    meta = versions()
+    out = RowWriter(args.csv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for fmt in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            case = BY_NAME[fmt]
+            N, K = map(int, shape.split("x"))
+            torch.manual_seed(0)
+            ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
+            text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=torch.bfloat16), *ws)
+            prog = DecodeProgram.from_text(text)
+            lay = derive_layout(prog, recognize(prog, consts), consts)
+            leaves = [t.cuda() for t in leaves]
+            for M in map(int, args.ms.split(",")):
+                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
+                floor = floor_us(leaves, N, K, M)
+                best = {}
+                for cfg in configs(N, K, sms):
+                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
+                    row = dict(**meta, format=fmt, N=N, K=K, M=M, config=str(cfg), tma=cfg.tma,
+                               us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
+                               x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
+                    out.write(row)
+                    if not isinstance(us, str) and us < best.get(cfg.tma, (1e9,))[0]:
+                        best[cfg.tma] = (us, cfg)
+                    print(f"{fmt} {N}x{K} M={M} {str(cfg):75s} {row['us']!s:>8} us  x{row['x_floor']}  "
+                          f"err {row['rel_err']}", flush=True)
+                print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(
+                    f"{'tma' if k else 'direct'} {v[0]:.2f} ({v[1].SPLIT_K}, s{v[1].num_stages})"
+                    for k, v in sorted(best.items())), flush=True)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
