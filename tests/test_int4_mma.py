@@ -83,6 +83,28 @@ def test_tma_words_match_reference(fmt, offset):
     assert rel_err(got.cpu(), want.cpu()) < TOL
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tma", [False, True])
+def test_scale_first_rounds_as_eager_does(fmt, tma):
+    """Scaling before the MMA rounds (q - z) * s to bf16, as eager's dequantization does: the result is
+    within the output's rounding of x times that bf16 weight (in float64), and within the usual tolerance
+    of the exact product; fp32 scales keep scaling after the MMA (the launcher checks the dtype)."""
+    K, N, M = 384, 136, 5
+    prog, lay, leaves, x = setup(K, N, M, fmt=fmt)
+    assert leaves[lay.scale].dtype == torch.bfloat16
+    cfg = im.Int4Mma(128, 3, 4, tma=tma, num_stages=3 if tma else 1, scale_first=True)
+    got = run(x, leaves, lay, K, N, cfg)
+    w = pm.decode_weight(leaves, lay, K, N, torch.float32)  # (q - z) * s, exact in fp32
+    want = x.double() @ w.to(torch.bfloat16).double()       # ... rounded to bf16 as eager rounds it
+    assert got.shape == (M, N) and not got.isnan().any()
+    assert rel_err(got.cpu(), want.cpu()) < 4e-3  # the bf16 output's rounding; the weights are eager's
+    exact = pm.packed_mm_reference(x, leaves, lay, K, N)
+    assert rel_err(got.cpu(), exact.cpu()) < TOL
+    f32 = list(leaves)
+    f32[lay.scale] = leaves[lay.scale].float()
+    assert rel_err(run(x, f32, lay, K, N, cfg).cpu(), exact.cpu()) < TOL
+
+
 def test_zero_offset_bias_and_strided_rows():
     """GPTQ v1's zeros stored minus one (the program adds 1), a bias in the epilogue and one added after
     (not a contiguous [N] vector), rows misaligned and column-major."""
@@ -116,7 +138,8 @@ def test_offered_only_where_it_computes_the_program():
     _, lay64, _, _ = setup(256, 64, 1, group=64)
     mma = lambda M, lay, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                 if isinstance(c, im.Int4Mma)]
-    assert [(c.SPLIT_K, c.tma) for c in mma(1, lay)] == [(8, False), (4, False), (8, True), (4, True)]
+    assert [(c.SPLIT_K, c.tma, c.scale_first) for c in mma(1, lay)] == [
+        (8, False, False), (4, False, False), (8, True, False), (4, True, False), (8, True, True), (4, True, True)]
     assert mma(16, lay, x_dtype=torch.bfloat16)
     assert not mma(32, lay)                                 # more rows than the MMA's 16
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16

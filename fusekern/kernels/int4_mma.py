@@ -64,6 +64,9 @@ class Int4Mma:
     num_warps: int = 4
     tma: bool = False  # words through a TMA descriptor, pipelined num_stages deep (where aligned)
     num_stages: int = 1
+    # bf16 scales: (q - z) * s rounded to bf16 before the MMA, as eager's dequantization rounds it, and the
+    # MMA accumulates (128 registers with TMA, not 167: the scaled product's fp32 copy is gone)
+    scale_first: bool = False
 
 
 def _int32_words(lay: PackedLayout) -> bool:
@@ -172,6 +175,14 @@ def _round_to(v, out_ptr, ASM: tl.constexpr):
         return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def _bf16_rounded(v):
+    """fp32 v rounded to the nearest bf16 (ties to even), kept in fp32 (the interpreter's twin of a bf16
+    product: its bf16 conversion truncates, and its dot reads bf16 operands as integers)."""
+    b = v.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -204,7 +215,8 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
                     ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                     SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr = 0):
+                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr = 0,
+                    SCALE_FIRST: tl.constexpr = False):
     """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
     each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape.
     TMA: the words come through ``q_desc`` (1: GPTQ's [K/8, N]; 2: [N, K/8]), which Triton pipelines
@@ -245,11 +257,17 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             z = _zero_of(z_ptr, t, ln, ZMODE, SZK, SZN)
         wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z, ZMODE, C, ASM)
         xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K)
-        if ASM:
-            d = tl.dot(wt, xt)  # fp32 [BLOCK_N, 16]
-        else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
-            d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
-        acc += d * s[:, None]
+        if SCALE_FIRST:  # (q - z) * s rounded to bf16 as eager's dequantization does, then accumulated
+            if ASM:
+                acc = tl.dot(wt * s.to(tl.bfloat16)[:, None], xt, acc)
+            else:
+                acc = tl.dot(_bf16_rounded(wt * s[:, None]), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            if ASM:
+                d = tl.dot(wt, xt)  # fp32 [BLOCK_N, 16]
+            else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
+                d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
+            acc += d * s[:, None]
     # out^T: out[m, n] = acc[n, m]. (Offsets written out at each use: one shared offset tensor was
     # computed before the loop and held through it, 167 registers against 128.)
     omask = mmask[None, :] & nmask[:, None]
@@ -345,7 +363,8 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     int4_mma_kernel[(tiles_n, cfg.SPLIT_K)](
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M,
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
-        ASM=not _INTERPRET, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ASM=not _INTERPRET, TMA=tma, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -401,8 +420,9 @@ def aot_builds():
                         ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
                         q_desc=f"tensordesc<i32{block}>" if tma else None)
             ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True,
-                      TMA=tma)
+                      TMA=tma, SCALE_FIRST=cfg.scale_first and st == "*bf16")
             builds.append(TritonBuild("int4_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
-                                      f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''} [{N}x{K}]",
+                                      f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''}"
+                                      f"{' scale_first' if cfg.scale_first else ''} [{N}x{K}]",
                                       int4_mma_kernel, args, ce, cfg.num_warps, cfg.num_stages))
     return builds
