@@ -24,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fusekern.compiler_pass.canonicalize import canonicalize
 from fusekern.compiler_pass.options import FusekernOptions
 from fusekern.compiler_pass.report import graph_report
+from fusekern.compiler_pass.unpad import restore, unpad
 from fusekern.patterns.registry import Pattern
 
 log = logging.getLogger("fusekern")
@@ -46,10 +47,11 @@ def _machinery_hash() -> str:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     from fusekern.compiler_pass import canonicalize as canon_mod
+    from fusekern.compiler_pass import unpad as unpad_mod
     from fusekern.patterns import registry as registry_mod
     from fusekern.patterns import spec as spec_mod
 
-    files = (__file__, canon_mod.__file__, registry_mod.__file__, spec_mod.__file__)
+    files = (__file__, canon_mod.__file__, unpad_mod.__file__, registry_mod.__file__, spec_mod.__file__)
     return get_hash_for_files(tuple(files)).hex()
 
 
@@ -69,6 +71,11 @@ class FusekernGraphPass(CustomGraphPass):
             from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
             remove_noop_ops(graph)
+            # Inductor may have padded a matmul to aligned sizes (CUDA, pad_mm), which hides it from the
+            # patterns: match the unpadded matmul; the padding comes back where nothing took it.
+            padded = unpad(graph)
+        else:
+            padded = None
         if any(isinstance(p, Pattern) for p in self.patterns):
             # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
             # graph as it is, so a stage with only those leaves the user's graph untouched.
@@ -80,6 +87,8 @@ class FusekernGraphPass(CustomGraphPass):
                 n = p.matcher_pass().apply(graph)
                 if n:
                     report.fired[p.name] += n
+            if padded is not None:
+                restore(graph, padded)
             if report.fired:
                 graph.eliminate_dead_code()
             report.nodes_after = len(graph.nodes)
