@@ -35,6 +35,18 @@ def floor_us(leaves, N: int, K: int, M: int) -> float:
     return (weight + 2 * M * (K + N)) / BANDWIDTH * 1e6
 
 
+def zoo_weight(fmt: str, N: int, K: int):
+    """(decode program text, leaves on the GPU, layout) of the zoo format ``fmt`` at N x K, groups of 128,
+    bf16 scales, seed 0."""
+    case = BY_NAME[fmt]
+    torch.manual_seed(0)
+    ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
+    text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=torch.bfloat16), *ws)
+    prog = DecodeProgram.from_text(text)
+    lay = derive_layout(prog, recognize(prog, consts), consts)
+    return text, [t.cuda() for t in leaves], lay
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -46,14 +58,8 @@ def main():
     meta = versions()
     out = RowWriter(args.csv)
     for fmt, shape in ((f, s) for f in args.formats.split(",") for s in args.shapes.split(",")):
-        case = BY_NAME[fmt]
         N, K = map(int, shape.split("x"))
-        torch.manual_seed(0)
-        ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
-        text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=torch.bfloat16), *ws)
-        prog = DecodeProgram.from_text(text)
-        lay = derive_layout(prog, recognize(prog, consts), consts)
-        leaves = [t.cuda() for t in leaves]
+        text, leaves, lay = zoo_weight(fmt, N, K)
         for M in map(int, args.ms.split(",")):
             x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
             ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)

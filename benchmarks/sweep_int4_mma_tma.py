@@ -14,14 +14,9 @@ import argparse
 import torch
 
 from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
-from bench_int4_mma import floor_us
+from bench_int4_mma import floor_us, zoo_weight
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import packed_mm as pm
-from fusekern.patterns.decode.formats import recognize
-from fusekern.patterns.decode.layout import derive_layout
-from fusekern.patterns.decode.program import DecodeProgram
-from fusekern.testing.decode_cones import decode_program
-from fusekern.testing.decode_zoo import BY_NAME
 
 
 def configs(N: int, K: int, sms: int) -> list:
@@ -48,14 +43,8 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
-            case = BY_NAME[fmt]
             N, K = map(int, shape.split("x"))
-            torch.manual_seed(0)
-            ws = [w.to(torch.bfloat16) if w.dtype == torch.float32 else w for w in case.make(K, N, 128, "cpu")]
-            text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=torch.bfloat16), *ws)
-            prog = DecodeProgram.from_text(text)
-            lay = derive_layout(prog, recognize(prog, consts), consts)
-            leaves = [t.cuda() for t in leaves]
+            _, leaves, lay = zoo_weight(fmt, N, K)
             for M in map(int, args.ms.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
                 ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
