@@ -204,7 +204,7 @@ def int4_mma_tma_sweep(rows: list[dict]) -> list[str]:
     for (fmt, n, k, m), c in by.items():
         d, t = c.get("direct", (math.nan,)), c.get("tma", (math.nan, "–", "–"))
         f = c.get("scale_first", (math.nan,))
-        best = min(v[0] for key, v in c.items() if key != "floor")
+        best = min((v[0] for key, v in c.items() if key != "floor"), default=math.nan)
         out.append(f"| {fmt} | {n} x {k} | {m} | {c['floor']:.1f} | {_num(d[0])} | {_num(t[0])} | {t[1]} / {t[2]} | "
                    f"{_num(f[0])} | {best / c['floor']:.2f} |")
     return out

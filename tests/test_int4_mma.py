@@ -61,11 +61,13 @@ def test_matches_reference(K, N, split_k, block_n, M, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "misaligned"])
-def test_tma_words_match_reference(fmt, offset):
-    """Words through a TMA descriptor (a tail tile: TMA fills the columns past N with zeros); a base that is
-    not 16-byte aligned falls back to direct loads, with the same result."""
-    K, N, M = 256, 136, 3
+@pytest.mark.parametrize("offset,K,split_k", [(0, 256, 2), (0, 512, 2), (0, 512, 1), (4, 256, 2)],
+                         ids=["aligned", "two_tiles_per_split", "no_split", "misaligned"])
+def test_tma_words_match_reference(fmt, offset, K, split_k):
+    """Words through a TMA descriptor, with N not a multiple of the tile (the tile's columns past N read
+    zeros and are not stored), the next tile's scale and zero carried across iterations and split
+    boundaries; a base that is not 16-byte aligned falls back to direct loads, with the same result."""
+    N, M = 136, 3
     prog, lay, leaves, x = setup(K, N, M, fmt=fmt)
     q = leaves[lay.code]
     if offset:  # the same codes, 4 bytes into a fresh buffer
@@ -75,34 +77,41 @@ def test_tma_words_match_reference(fmt, offset):
         leaves = list(leaves)
         leaves[lay.code] = view
         assert view.data_ptr() % 16 == offset
-    cfg = im.Int4Mma(128, 2, 4, tma=True, num_stages=3)
-    assert im._tma_words(im._words_i32(leaves, lay), lay, cfg)[0] == (0 if offset else 1 if fmt == "gptq" else 2)
+    cfg = im.Int4Mma(128, split_k, 4, tma=True, num_stages=3)
+    want_mode = 0 if offset else im.TMA_KN if fmt == "gptq" else im.TMA_NK
+    assert im._tma_words(im._words_i32(leaves, lay), lay, cfg)[0] == want_mode
     want = pm.packed_mm_reference(x, leaves, lay, K, N)
     got = run(x, leaves, lay, K, N, cfg)
     assert got.shape == (M, N) and not got.isnan().any()
     assert rel_err(got.cpu(), want.cpu()) < TOL
 
 
+def _bf16_agreement(got, want) -> float:
+    """The fraction of outputs that are exactly ``want`` rounded to bf16."""
+    return (got.cpu() == want.cpu().to(torch.bfloat16)).float().mean().item()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tma", [False, True])
 def test_scale_first_rounds_as_eager_does(fmt, tma):
-    """Scaling before the MMA rounds (q - z) * s to bf16, as eager's dequantization does: the result is
-    within the output's rounding of x times that bf16 weight (in float64), and within the usual tolerance
-    of the exact product; fp32 scales keep scaling after the MMA (the launcher checks the dtype)."""
-    K, N, M = 384, 136, 5
+    """Scaling before the MMA rounds (q - z) * s to bf16, as eager's dequantization does: nearly every
+    output is x times that bf16 weight (in float64) rounded to bf16 (scaling after the MMA matches that on
+    only about 60% of them); fp32 scales keep scaling after the MMA (the launcher checks the dtype), whose
+    outputs are the exact product rounded."""
+    K, N, M = 512, 136, 5
     prog, lay, leaves, x = setup(K, N, M, fmt=fmt)
     assert leaves[lay.scale].dtype == torch.bfloat16
-    cfg = im.Int4Mma(128, 3, 4, tma=tma, num_stages=3 if tma else 1, scale_first=True)
+    cfg = im.Int4Mma(128, 2, 4, tma=tma, num_stages=3 if tma else 1, scale_first=True)
     got = run(x, leaves, lay, K, N, cfg)
     w = pm.decode_weight(leaves, lay, K, N, torch.float32)  # (q - z) * s, exact in fp32
-    want = x.double() @ w.to(torch.bfloat16).double()       # ... rounded to bf16 as eager rounds it
-    assert got.shape == (M, N) and not got.isnan().any()
-    assert rel_err(got.cpu(), want.cpu()) < 4e-3  # the bf16 output's rounding; the weights are eager's
+    eager = x.double() @ w.to(torch.bfloat16).double()      # ... rounded to bf16 as eager rounds it
     exact = pm.packed_mm_reference(x, leaves, lay, K, N)
-    assert rel_err(got.cpu(), exact.cpu()) < TOL
+    assert got.shape == (M, N) and not got.isnan().any()
+    assert _bf16_agreement(got, eager) > 0.95 and rel_err(got.cpu(), exact.cpu()) < TOL
     f32 = list(leaves)
     f32[lay.scale] = leaves[lay.scale].float()
-    assert rel_err(run(x, f32, lay, K, N, cfg).cpu(), exact.cpu()) < TOL
+    after = run(x, f32, lay, K, N, cfg)
+    assert _bf16_agreement(after, exact) > 0.95 and _bf16_agreement(after, eager) < 0.9
 
 
 def test_zero_offset_bias_and_strided_rows():

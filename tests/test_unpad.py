@@ -47,7 +47,7 @@ def test_unpad_is_exact_and_restore_brings_the_padding_back(fn, shapes, plain):
     want, padded = plain(*args), fn(*args)  # (a padded K sums in another order: not bitwise the same)
     log = unpad(gm.graph)
     gm.recompile()
-    assert len(log.records) == 1
+    assert len(log) == 1
     assert aten.constant_pad_nd.default not in _targets(gm) and aten.slice.Tensor not in _targets(gm)
     (mm,) = [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.bmm.default, aten.addmm.default)]
     assert tuple(mm.meta["val"].shape) == tuple(want.shape)
@@ -56,6 +56,23 @@ def test_unpad_is_exact_and_restore_brings_the_padding_back(fn, shapes, plain):
     gm.recompile()
     assert aten.constant_pad_nd.default in _targets(gm)
     torch.testing.assert_close(gm(*args), padded, rtol=0, atol=0)
+
+
+def _shared_pad(a, b, c):
+    pa = aten.constant_pad_nd(a, [0, 0, 0, 2])
+    return aten.slice(aten.mm(pa, b), 0, 0, -2) + aten.slice(aten.mm(pa, c), 0, 0, -2)
+
+
+def test_restore_shares_a_pad_the_matmuls_shared():
+    args = [torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64),
+            torch.randn(5, 3, dtype=torch.float64)]
+    gm = make_fx(_shared_pad, tracing_mode="fake")(*args)
+    log = unpad(gm.graph)
+    assert len(log) == 2 and aten.constant_pad_nd.default not in _targets(gm)
+    assert restore(gm.graph, log) == 2
+    gm.recompile()
+    assert _targets(gm).count(aten.constant_pad_nd.default) == 1
+    torch.testing.assert_close(gm(*args), _shared_pad(*args), rtol=0, atol=0)
 
 
 def _left_pad(a, b):
@@ -70,12 +87,33 @@ def _rows_kept(a, b):  # the padded rows are used: not an identity
     return aten.mm(aten.constant_pad_nd(a, [0, 0, 0, 2]), b)
 
 
+def _addmm_input_padded_by_cat(c, a, b):  # pad_addmm pads a non-broadcast input with cat: left alone
+    r = aten.addmm(torch.cat([c, c.new_zeros(3, 3)]), aten.constant_pad_nd(a, [0, 0, 0, 3]), b)
+    return aten.slice(r, 0, 0, -3)
+
+
+def _addmm_scalar_input(c, a, b):  # a 0-d input broadcasts everywhere
+    return aten.slice(aten.addmm(c, a, aten.constant_pad_nd(b, [0, 2])), 1, 0, -2)
+
+
+def test_addmm_inputs():
+    args = [torch.randn(7, 3), torch.randn(7, 5), torch.randn(5, 3)]
+    gm = make_fx(_addmm_input_padded_by_cat, tracing_mode="fake")(*args)
+    before = str(gm.graph)
+    assert not unpad(gm.graph) and str(gm.graph) == before
+    args = [torch.randn(()), torch.randn(7, 5), torch.randn(5, 3)]
+    gm = make_fx(_addmm_scalar_input, tracing_mode="fake")(*args)
+    assert len(unpad(gm.graph)) == 1
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), torch.addmm(*args), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fn", [_left_pad, _nonzero_pad, _rows_kept])
 def test_padding_that_is_not_an_identity_stays(fn):
     args = [torch.randn(7, 5), torch.randn(5, 3)]
     gm = make_fx(fn, tracing_mode="fake")(*args)
     before = str(gm.graph)
-    assert not unpad(gm.graph).records
+    assert not unpad(gm.graph)
     assert str(gm.graph) == before
 
 

@@ -73,22 +73,22 @@ class FusekernGraphPass(CustomGraphPass):
             remove_noop_ops(graph)
             # Inductor may have padded a matmul to aligned sizes (CUDA, pad_mm), which hides it from the
             # patterns: match the unpadded matmul; the padding comes back where nothing took it.
-            padded = unpad(graph)
+            unpadded = unpad(graph)
         else:
-            padded = None
+            unpadded = None
         if any(isinstance(p, Pattern) for p in self.patterns):
             # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
             # graph as it is, so a stage with only those leaves the user's graph untouched.
             canonicalize(graph)
-        self._dump(graph, "before")
+        self._dump(graph, "before")  # (as the patterns see it: unpadded and canonicalized)
         with graph_report(self.stage) as report:
             report.nodes_before = len(graph.nodes)
             for p in self.patterns:
                 n = p.matcher_pass().apply(graph)
                 if n:
                     report.fired[p.name] += n
-            if padded is not None:
-                restore(graph, padded)
+            if unpadded is not None:
+                restore(graph, unpadded)
             if report.fired:
                 graph.eliminate_dead_code()
             report.nodes_after = len(graph.nodes)

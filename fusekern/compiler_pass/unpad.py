@@ -14,7 +14,7 @@ around each such matmul that is still in the graph after the patterns ran (induc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,11 +29,6 @@ class Unpadded:
     pm: int
     pk: int
     pn: int
-
-
-@dataclass
-class UnpadLog:
-    records: list = field(default_factory=list)
 
 
 def _val(node):
@@ -94,9 +89,9 @@ def _slice_of(node: torch.fx.Node, dim: int, p: int):
     return None
 
 
-def unpad(graph: torch.fx.Graph) -> UnpadLog:
+def unpad(graph: torch.fx.Graph) -> list[Unpadded]:
     """Rewrite every padded matmul of ``graph`` to the matmul of its unpadded operands."""
-    log = UnpadLog()
+    log: list[Unpadded] = []
     for mm in list(graph.nodes):
         if mm.op != "call_function" or mm.target not in _MATMULS:
             continue
@@ -120,7 +115,8 @@ def unpad(graph: torch.fx.Graph) -> UnpadLog:
         if first:  # addmm: only an input that broadcasts over the padded dims (pad_addmm pads others by cat)
             inp = mm.args[0]
             v = _val(inp) if isinstance(inp, torch.fx.Node) else None
-            if (pm or pn) and (v is None or (pn and v.shape[-1] != 1) or (pm and v.dim() == 2 and v.shape[0] != 1)):
+            if (pm or pn) and (v is None or (pn and v.dim() >= 1 and v.shape[-1] != 1)
+                               or (pm and v.dim() == 2 and v.shape[0] != 1)):
                 continue
             new_args.insert(0, inp)
         with graph.inserting_before(mm):
@@ -129,7 +125,7 @@ def unpad(graph: torch.fx.Graph) -> UnpadLog:
         _set_val(new)
         out.replace_all_uses_with(new)
         _erase_chain(graph, out)
-        log.records.append(Unpadded(new, pm, pk_a, pn))
+        log.append(Unpadded(new, pm, pk_a, pn))
     return log
 
 
@@ -145,10 +141,12 @@ def _erase_chain(graph: torch.fx.Graph, out: torch.fx.Node) -> None:
         stack.extend(inputs)
 
 
-def restore(graph: torch.fx.Graph, log: UnpadLog) -> int:
-    """Put inductor's padding back around each unpadded matmul no pattern took; returns how many."""
+def restore(graph: torch.fx.Graph, log: list[Unpadded]) -> int:
+    """Put inductor's padding back around each unpadded matmul no pattern took; returns how many. One pad
+    node per operand and padding, shared by the matmuls that had shared it."""
     restored = 0
-    for r in log.records:
+    pads: dict = {}
+    for r in log:
         mm = r.node
         if mm._erased or not mm.users:
             continue
@@ -163,10 +161,16 @@ def restore(graph: torch.fx.Graph, log: UnpadLog) -> int:
                 built.append(n)
                 return n
 
+            def pad(src, amounts):
+                key = (src, tuple(amounts))
+                if key not in pads:
+                    pads[key] = node(aten.constant_pad_nd.default, src, amounts)
+                return pads[key]
+
             if r.pk or r.pm:
-                a = node(aten.constant_pad_nd.default, a, [0, r.pk, 0, r.pm] + extra)
+                a = pad(a, [0, r.pk, 0, r.pm] + extra)
             if r.pk or r.pn:
-                b = node(aten.constant_pad_nd.default, b, [0, r.pn, 0, r.pk] + extra)
+                b = pad(b, [0, r.pn, 0, r.pk] + extra)
             args = [a, b]
             if first:
                 args.insert(0, mm.args[0])

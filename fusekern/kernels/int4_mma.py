@@ -53,6 +53,8 @@ _GROUP = tl.constexpr(GROUP)  # (the kernels' copy: a jit function reads constex
 M_MAX = 16   # x's rows are padded to the MMA's 16
 _SEQ8 = tuple(range(8))
 ZERO_MODES = {"": 0, "const": 0, "packed": 1, "int": 2}  # constant only / GPTQ's nibbles / 8-bit integers
+TMA_KN, TMA_NK = 1, 2  # the kernel's TMA modes: words [K/8, N] (GPTQ) or [N, K/8] (two codes per byte); 0: no TMA
+_TMA_KN = tl.constexpr(TMA_KN)
 # inline PTX cannot run in Triton's CPU interpreter: the kernel then uses plain operations (same bits)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -219,7 +221,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     SCALE_FIRST: tl.constexpr = False):
     """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
     each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape.
-    TMA: the words come through ``q_desc`` (1: GPTQ's [K/8, N]; 2: [N, K/8]), which Triton pipelines
+    TMA: the words come through ``q_desc`` (TMA_KN: GPTQ's [K/8, N]; TMA_NK: [N, K/8]), which Triton pipelines
     through shared memory num_stages deep; the load from shared memory lands in the layout the decode
     needs. Without it each tile's words are waited for a full memory latency."""
     BKW: tl.constexpr = _GROUP // 8  # words per column per tile
@@ -247,7 +249,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             tn = tl.minimum(t + 1, TILES - 1)  # (the last tile loads its own again: in bounds, unused)
             s_next = tl.load(s_ptr + tn * SSK + ln * SSN)
             z_next = _zero_of(z_ptr, tn, ln, ZMODE, SZK, SZN)
-            if TMA == 1:
+            if TMA == _TMA_KN:
                 words = tl.trans(q_desc.load([t * BKW, pid_n * BLOCK_N]))
             else:
                 words = q_desc.load([pid_n * BLOCK_N, t * BKW])
@@ -381,8 +383,8 @@ def _tma_words(q: torch.Tensor, lay: PackedLayout, cfg: Int4Mma):
     if q.data_ptr() % 16:
         return 0, None
     if _int32_words(lay):
-        return 1, TensorDescriptor(q, list(q.shape), list(q.stride()), [GROUP // 8, cfg.BLOCK_N])
-    return 2, TensorDescriptor(q, list(q.shape), list(q.stride()), [cfg.BLOCK_N, GROUP // 8])
+        return TMA_KN, TensorDescriptor(q, list(q.shape), list(q.stride()), [GROUP // 8, cfg.BLOCK_N])
+    return TMA_NK, TensorDescriptor(q, list(q.shape), list(q.stride()), [cfg.BLOCK_N, GROUP // 8])
 
 
 @functools.lru_cache(maxsize=256)  # (per call otherwise: the op runs per token)
@@ -414,8 +416,8 @@ def aot_builds():
         cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
                              if isinstance(c, Int4Mma))
         for cfg in cfgs:
-            tma = (1 if _int32_words(lay) else 2) if cfg.tma else 0
-            block = [GROUP // 8, cfg.BLOCK_N] if tma == 1 else [cfg.BLOCK_N, GROUP // 8]
+            tma = (TMA_KN if _int32_words(lay) else TMA_NK) if cfg.tma else 0
+            block = [GROUP // 8, cfg.BLOCK_N] if tma == TMA_KN else [cfg.BLOCK_N, GROUP // 8]
             args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                         ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
                         q_desc=f"tensordesc<i32{block}>" if tma else None)
