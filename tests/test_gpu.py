@@ -39,6 +39,20 @@ def test_compiled_on_cuda_skips_inductor_woq():
                     gone=["aten.mm.default", "aten._weight_int8pack_mm.default", "fusekern.w8a16_linear.default"])
 
 
+def test_padded_by_inductor_still_matches():
+    """Inductor's pad_mm (forced here; it pads when its cached timing says so) pads M = 36 to 40: the W8A16
+    pattern still takes the matmul (fusekern.compiler_pass.unpad). Once seen failing without the fix."""
+    x = torch.randn(4, 9, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-128, 128, (1024, 4096), device="cuda", dtype=torch.int8)
+    s = torch.rand(1024, device="cuda", dtype=torch.bfloat16) * 0.01
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype)) * s
+
+    assert_compiled(f, (x, w, s), fired={"w8a16_linear_scale": 1}, options={"force_shape_pad": True},
+                    gone=["aten.mm.default", "aten.constant_pad_nd.default"])
+
+
 @pytest.mark.parametrize("M", [1, 16, 300])
 def test_compiled_static_m_every_path(M):
     """Static M on CUDA traces the launcher inline: each dispatch path, with bias, against eager."""
