@@ -49,9 +49,8 @@ def _hoist(graph: torch.fx.Graph, cast: torch.fx.Node, view: torch.fx.Node) -> N
     with graph.inserting_before(view):
         new_cast = graph.call_function(_CAST, (src, *cast.args[1:]), dict(cast.kwargs))
         new_view = graph.call_function(view.target, (new_cast, *view.args[1:]), dict(view.kwargs))
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in cast.meta:
-            new_cast.meta[key] = new_view.meta[key] = cast.meta[key]
+    copy_meta(cast, new_cast)
+    copy_meta(cast, new_view)
     if isinstance(src, torch.fx.Node) and "val" in src.meta and "val" in cast.meta:
         from torch._guards import detect_fake_mode
 
@@ -63,6 +62,13 @@ def _hoist(graph: torch.fx.Graph, cast: torch.fx.Node, view: torch.fx.Node) -> N
     cast.replace_all_uses_with(new_view)
     graph.erase_node(cast)
     graph.erase_node(view)
+
+
+def copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
+    """Give a node built to replace ``src`` its source location (for inductor's provenance and errors)."""
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
 
 
 def trace(fn, args, **kwargs) -> torch.fx.GraphModule:

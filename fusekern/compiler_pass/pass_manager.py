@@ -75,7 +75,7 @@ class FusekernGraphPass(CustomGraphPass):
             # patterns: match the unpadded matmul; the padding comes back where nothing took it.
             unpadded = unpad(graph)
         else:
-            unpadded = None
+            unpadded = []
         if any(isinstance(p, Pattern) for p in self.patterns):
             # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
             # graph as it is, so a stage with only those leaves the user's graph untouched.
@@ -87,8 +87,7 @@ class FusekernGraphPass(CustomGraphPass):
                 n = p.matcher_pass().apply(graph)
                 if n:
                     report.fired[p.name] += n
-            if unpadded is not None:
-                restore(graph, unpadded)
+            restore(graph, unpadded)
             if report.fired:
                 graph.eliminate_dead_code()
             report.nodes_after = len(graph.nodes)

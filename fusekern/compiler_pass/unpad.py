@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fusekern.compiler_pass.canonicalize import copy_meta
+
 aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.bmm.default, aten.addmm.default)
 
@@ -48,12 +50,6 @@ def _set_val(node: torch.fx.Node) -> None:
     kwargs = torch.fx.node.map_arg(node.kwargs, _val)
     with fake_mode:
         node.meta["val"] = node.target(*args, **kwargs)
-
-
-def _copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
 
 
 def _pad_of(node, rank: int):
@@ -121,7 +117,7 @@ def unpad(graph: torch.fx.Graph) -> list[Unpadded]:
             new_args.insert(0, inp)
         with graph.inserting_before(mm):
             new = graph.call_function(mm.target, tuple(new_args) + tuple(mm.args[first + 2:]), dict(mm.kwargs))
-        _copy_meta(mm, new)
+        copy_meta(mm, new)
         _set_val(new)
         out.replace_all_uses_with(new)
         _erase_chain(graph, out)
@@ -182,7 +178,7 @@ def restore(graph: torch.fx.Graph, log: list[Unpadded]) -> int:
             if r.pn:
                 res = node(aten.slice.Tensor, res, rank - 1, 0, -r.pn)
         for n in built:
-            _copy_meta(mm, n)
+            copy_meta(mm, n)
             _set_val(n)
         mm.replace_all_uses_with(res)
         graph.erase_node(mm)

@@ -382,9 +382,15 @@ def _tma_words(q: torch.Tensor, lay: PackedLayout, cfg: Int4Mma):
 
     if q.data_ptr() % 16:
         return 0, None
+    mode, block = _tma_tile(lay, cfg.BLOCK_N)
+    return mode, TensorDescriptor(q, list(q.shape), list(q.stride()), block)
+
+
+def _tma_tile(lay: PackedLayout, block_n: int) -> tuple[int, list[int]]:
+    """The TMA mode and the words' box for one tile: [K/8 rows, N] or [N, K/8 columns]."""
     if _int32_words(lay):
-        return TMA_KN, TensorDescriptor(q, list(q.shape), list(q.stride()), [GROUP // 8, cfg.BLOCK_N])
-    return TMA_NK, TensorDescriptor(q, list(q.shape), list(q.stride()), [cfg.BLOCK_N, GROUP // 8])
+        return TMA_KN, [GROUP // 8, block_n]
+    return TMA_NK, [block_n, GROUP // 8]
 
 
 @functools.lru_cache(maxsize=256)  # (per call otherwise: the op runs per token)
@@ -416,8 +422,7 @@ def aot_builds():
         cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
                              if isinstance(c, Int4Mma))
         for cfg in cfgs:
-            tma = (TMA_KN if _int32_words(lay) else TMA_NK) if cfg.tma else 0
-            block = [GROUP // 8, cfg.BLOCK_N] if tma == TMA_KN else [cfg.BLOCK_N, GROUP // 8]
+            tma, block = _tma_tile(lay, cfg.BLOCK_N) if cfg.tma else (0, None)
             args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                         ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
                         q_desc=f"tensordesc<i32{block}>" if tma else None)
