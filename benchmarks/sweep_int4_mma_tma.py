@@ -2,7 +2,7 @@
 scale applied before the MMA (``scale_first``: bf16 scales, 128 registers).
 
     python benchmarks/sweep_int4_mma_tma.py [--csv OUT.csv] [--formats gptq,int4_k_stack] [--shapes ...]
-                                            [--ms 1,16]
+                                            [--ms 1,16] [--grid tma|wide]
 
 Every config is checked against the float64 reference and timed in a CUDA graph (``do_bench_cudagraph``,
 median); the floor moves the codes, zeros and scales once at 4.3 TB/s.
@@ -19,7 +19,9 @@ from fusekern.kernels import int4_mma as im
 from fusekern.kernels import packed_mm as pm
 
 
-def configs(N: int, K: int, sms: int) -> list:
+def configs(N: int, K: int, sms: int, grid: str = "tma") -> list:
+    if grid == "wide":
+        return wide_configs(N, K, sms)
     out = []
     for per_sm in (4, 2):
         sk = im.split_k_for(N, K, 128, sms, per_sm)
@@ -30,12 +32,25 @@ def configs(N: int, K: int, sms: int) -> list:
     return list(dict.fromkeys(out))
 
 
+def wide_configs(N: int, K: int, sms: int) -> list:
+    """Tile width x warps x programs per SM, TMA words, scaling after or before the MMA: where the shipped
+    128-column, 4-warp tile sits among its neighbours (at M = 1 it runs 1-2 programs per SM)."""
+    out = []
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for per_sm in (2, 4, 8):
+            sk = im.split_k_for(N, K, bn, sms, per_sm)
+            for stages, sf in ((3, False), (3, True), (4, True)):
+                out.append(im.Int4Mma(bn, sk, warps, tma=True, num_stages=stages, scale_first=sf))
+    return list(dict.fromkeys(out))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--formats", default="gptq,int4_k_stack")
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336")
     ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--grid", default="tma", choices=("tma", "wide"))
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -50,7 +65,7 @@ def main():
                 ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
                 floor = floor_us(leaves, N, K, M)
                 best = {}
-                for cfg in configs(N, K, sms):
+                for cfg in configs(N, K, sms, args.grid):
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
                     row = dict(**meta, format=fmt, N=N, K=K, M=M, config=str(cfg), tma=cfg.tma,
                                scale_first=cfg.scale_first,
@@ -58,12 +73,14 @@ def main():
                                x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
                     out.write(row)
                     kind = "scale_first" if cfg.scale_first else "tma" if cfg.tma else "direct"
+                    if args.grid == "wide":
+                        kind += f" {cfg.BLOCK_N}w{cfg.num_warps}"
                     if not isinstance(us, str) and us < best.get(kind, (1e9,))[0]:
                         best[kind] = (us, cfg)
                     print(f"{fmt} {N}x{K} M={M} {str(cfg):75s} {row['us']!s:>8} us  x{row['x_floor']}  "
                           f"err {row['rel_err']}", flush=True)
                 print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(
-                    f"{k} {v[0]:.2f} ({v[1].SPLIT_K}, s{v[1].num_stages})"
+                    f"{k} {v[0]:.2f} (sk{v[1].SPLIT_K}, s{v[1].num_stages})"
                     for k, v in sorted(best.items())), flush=True)
     out.close()
 
