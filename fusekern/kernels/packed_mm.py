@@ -415,6 +415,26 @@ def packed_gemv_kernel(
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
     ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
 ):
+    """One row of ``x @ W`` for BLOCK_N columns over one K slice: ``gemv_program`` for this program."""
+    gemv_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KW,
+                 stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
+                 BITS, P, KPOS, VALUE, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN, HAS_GLOBAL,
+                 HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64)
+
+
+@triton.jit
+def gemv_program(
+    pid_n, pid_count, pid_k, m,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KW,
+    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
+    BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
+    ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
+    SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
+):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
 
     The tile is ``[BLOCK_K / P, BLOCK_N]`` words and every step stays in the layout the words were loaded
@@ -424,10 +444,9 @@ def packed_gemv_kernel(
     values share one group: GK % P == 0; whole-tile groups load one scale row). Without VEC_K,
     K-contiguous words are read one per thread so that a thread holds several columns (x reuse) rather
     than several words of one column. (Loading the next tile's words before decoding this one did not
-    help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
+    help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks.
+    pid_n: the column tile; pid_count: the program's split-K counter along axis 0 (pid_n, or its tile in a
+    group's launch: ``packed_gemv_group``)."""
     BKW: tl.constexpr = BLOCK_K // P
     XMANT: tl.constexpr = 8 if x_ptr.dtype.element_ty == tl.bfloat16 else (
         11 if x_ptr.dtype.element_ty == tl.float16 else 0)
@@ -475,7 +494,7 @@ def packed_gemv_kernel(
     out = tl.sum(acc, axis=0)
     if VALUE == 3:
         out = out * E2M1_SCALE
-    _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
+    _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_count, pid_k, m, M, offs_n, N, stride_om,
                  stride_on, HAS_GLOBAL, HAS_BIAS, SPLIT_K)
 
 

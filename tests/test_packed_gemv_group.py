@@ -1,0 +1,88 @@
+"""Several packed weights on the same rows in one GEMV launch (``fusekern.kernels.packed_gemv_group``).
+
+Each member's output must be exactly what its own ``packed_mm.gemv`` launch with the same config gives
+(bit for bit: the same program runs, only its pointers move), and within the float64 reference's
+tolerance. CPU: the Triton interpreter on small shapes with column tails, split K (NaN-poisoned
+partials) and none, two and three members; members that cannot share a launch (another layout's
+strides, a global scale) are refused. GPU: the decoder's q / k / v shapes.
+"""
+import pytest
+import torch
+
+from fusekern.kernels import packed_gemv_group as pg
+from fusekern.kernels import packed_mm as pm
+from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.layout import derive_layout
+from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.testing import rel_err
+from fusekern.testing.decode_cones import decode_program
+from fusekern.testing.decode_zoo import BY_NAME
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+
+
+def member(fmt, K, N, x, seed):
+    """(leaves, layout) of the zoo's ``fmt`` weight at N x K, groups of 128, on x's device."""
+    torch.manual_seed(seed)
+    case = BY_NAME[fmt]
+    ws = [w.to(x.dtype) if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else w
+          for w in case.make(K, N, 128, "cpu")]
+    text, leaves, consts = decode_program(case.fn, x.cpu(), *ws)
+    prog = DecodeProgram.from_text(text)
+    return [t.to(x.device) for t in leaves], derive_layout(prog, recognize(prog, consts), consts)
+
+
+def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16):
+    x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+    made = [member(fmt, K, n, x, seed) for seed, n in enumerate(Ns)]
+    lay = made[0][1]
+    assert all(m[1] == lay for m in made)
+    members = [m[0] for m in made]
+    ws = None
+    if cfg.SPLIT_K > 1:
+        ws = torch.full((cfg.SPLIT_K * M * sum(Ns),), float("nan"), device=DEVICE)  # poisoned partials
+    got = pg.gemv_group(x, members, lay, K, Ns, cfg, workspace=ws)
+    assert got is not None and len(got) == len(Ns)
+    if ws is not None:  # every member wrote its partials to its own part (none left poisoned)
+        assert not ws.isnan().any()
+    for leaves, n, out in zip(members, Ns, got):
+        alone = pm.gemv(x, leaves, lay, K, n, cfg)
+        want = pm.packed_mm_reference(x, leaves, lay, K, n)
+        assert out.shape == (M, n) and out.dtype == dtype and not out.isnan().any()
+        assert torch.equal(out, alone)
+        assert rel_err(out.float().cpu(), want.float().cpu()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "mxfp4"])
+@pytest.mark.parametrize("Ns,M,split_k", [((64, 32, 32), 1, 2), ((96, 40), 2, 1), ((40, 72, 24), 1, 3)],
+                         ids=["three_split", "two_tails_no_split", "three_tails_split"])
+def test_group_matches_each_launch(fmt, Ns, M, split_k):
+    _check(fmt, 256, list(Ns), M, pm.PackedGemv(32, 128, split_k, 4))
+
+
+def test_fp16_rows_and_whole_tiles():
+    _check("int4_k_stack", 256, [64, 64, 128], 2, pm.PackedGemv(64, 128, 2, 4), dtype=torch.float16)
+
+
+def test_members_that_cannot_share_a_launch_are_refused():
+    """GPTQ's [K/8, N] words (row stride N: another per member), a global scale (NVFP4), one member or
+    four: None, and the caller launches them one by one."""
+    K = 256
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
+    gptq = [member("gptq", K, n, x, i) for i, n in enumerate((64, 32))]
+    assert pg.group_args(x, [m[0] for m in gptq], gptq[0][1], K, [64, 32]) is None
+    nv = [member("nvfp4", K, n, x, i) for i, n in enumerate((64, 64))]
+    assert pg.group_args(x, [m[0] for m in nv], nv[0][1], K, [64, 64]) is None
+    ks = [member("int4_k_stack", K, 64, x, i) for i in range(4)]
+    lay = ks[0][1]
+    assert pg.group_args(x, [ks[0][0]], lay, K, [64]) is None
+    assert pg.group_args(x, [m[0] for m in ks], lay, K, [64] * 4) is None
+    assert pg.group_args(x, [m[0] for m in ks[:3]], lay, K, [64] * 3) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel"])
+@pytest.mark.parametrize("split_k", [1, 9])
+def test_gpu_qkv(fmt, split_k):
+    _check(fmt, 4096, [4096, 1024, 1024], 1, pm.PackedGemv(64, 128, split_k, 4))
