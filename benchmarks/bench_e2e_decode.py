@@ -1,7 +1,7 @@
 """End-to-end decode step of the demo's Llama-3-8B-shaped decoder (issue 8's target), on the GPU.
 
     python benchmarks/bench_e2e_decode.py [--csv benchmarks/results/h200/e2e_decode.csv]
-                                          [--weights w4a16] [--batches 1,16,64]
+                                          [--weights w4a16] [--batches 1,16,64] [--scopes layers,step]
 
 Two scopes, both one decode step (one new token per row at position 8):
 - ``layers``: the decoder layers (attention with the KV cache, SwiGLU MLP; every linear layer quantized);
@@ -24,6 +24,7 @@ from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401  (registers the backend)
 from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, Decoder  # noqa: E402
+from fusekern.patterns.decode.program import DecodeProgram  # noqa: E402
 
 BW = 4.3e12
 
@@ -48,6 +49,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--weights", default="w4a16")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--scopes", default="layers,step")
     args = ap.parse_args()
     info = versions()
     warm_up_clocks()
@@ -64,6 +66,8 @@ def main():
         head_bytes = nbytes(model.lm_head) + nbytes(model.norm) + B * cfg.dim * 2
         scopes = {"layers": (layers, (x, pos), layer_bytes), "step": (model, (tokens, pos), layer_bytes + head_bytes)}
         for scope, (fn, fargs, nb) in scopes.items():
+            if scope not in args.scopes.split(","):
+                continue
             floor = nb / BW * 1e6
             variants = {"eager": fn, "stock": torch.compile(fn), "fusekern": torch.compile(fn, backend="fusekern")}
             ref = None
@@ -83,6 +87,11 @@ def main():
                       f"({us_cg / floor:.2f}x)  rel_err {err:.1e}", flush=True)
                 out.write(row)
     out.close()
+    from fusekern.kernels import decode_mm_group as dmg
+
+    for (programs, _, bucket, _), choice in dmg._tuned.items():  # one launch or the members' own
+        Ns = " + ".join(str(DecodeProgram.from_text(t).N) for t in programs)
+        print(f"decode_mm_group N = {Ns}, M <= {bucket}: {choice}")
 
 
 if __name__ == "__main__":

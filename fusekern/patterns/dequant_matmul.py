@@ -237,3 +237,24 @@ def _decode_rewrite():
 
 
 _decode_rewrite()
+
+
+def _group_rewrite():
+    import hashlib
+    import inspect
+
+    from fusekern.kernels import decode_mm_group, packed_gemv_group
+    from fusekern.patterns.decode import group
+
+    h = hashlib.sha256()
+    for mod in (group, decode_mm_group, packed_gemv_group):
+        h.update(inspect.getsource(mod).encode())
+    register_rewrite(
+        group.NAME, group.group_decode_matmuls, family="dequant_matmul", stage="post_grad",
+        kernel_version=h.hexdigest()[:12],
+        description="two or three fused decode -> matmuls on the same activation (q / k / v, gate / up), "
+                    "same K and packed layout: one call, whose GEMVs run as one launch where measured faster",
+    )
+
+
+_group_rewrite()  # after the structural rewrite: it groups that rewrite's calls

@@ -1,0 +1,128 @@
+"""``fusekern::decode_mm_group``: the decode -> matmuls that read the same activation rows, as one op.
+
+``decode_mm_group(x, leaves, programs, layout)`` returns ``[decode_mm(x, leaves_i, programs[i], None,
+layout) for each member]`` (leaves: every member's leaves, in member order). On CUDA, for a few rows, the
+members' GEMVs can run as one launch (``packed_gemv_group``): the first call of a shape times the grouped
+GEMV configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
+kernel) and keeps the fastest whose outputs agree with the members' own; a shape where grouping loses,
+or that cannot be grouped, runs the members one by one. Elsewhere (CPU, more rows) the members run one
+by one: the op never computes anything ``decode_mm`` would not.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import packed_gemv_group as pg
+from fusekern.kernels import packed_mm as pm
+from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import next_power_of_2
+from fusekern.patterns.decode.layout import PackedLayout
+from fusekern.patterns.decode.program import DecodeProgram
+
+log = logging.getLogger(__name__)
+
+SEPARATE = "separate"  # the tuner's choice: each member's own launch
+
+
+def split_leaves(leaves, programs) -> list[list[torch.Tensor]]:
+    """The flat leaf list cut into each member's leaves (a program knows how many it reads)."""
+    out, i = [], 0
+    for text in programs:
+        n = len(DecodeProgram.from_text(text).leaves)
+        out.append(list(leaves[i:i + n]))
+        i += n
+    if i != len(leaves):
+        raise ValueError(f"decode_mm_group: the programs read {i} leaves, got {len(leaves)}")
+    return out
+
+
+def _separate(x, members, programs, layout) -> list[torch.Tensor]:
+    return [dm.decode_mm(x, leaves, text, None, layout) for leaves, text in zip(members, programs)]
+
+
+def _groupable(x, members, progs, layout) -> bool:
+    """One GEMV launch can serve these members: a few rows of a supported dtype, one K, 2-D weights whose
+    leaves have the strides the programs were traced with, a packed layout they share."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in dm.SUPPORTED_ACT_DTYPES and x.shape[0] <= dm.PACKED_GEMV_M_MAX
+            and layout and 2 <= len(members) <= pg.MAX_MEMBERS):
+        return False
+    if any(p.batch or p.K != progs[0].K or p.dtype != x.dtype for p in progs):
+        return False
+    return all(tuple(t.stride()) == leaf.stride for leaves, p in zip(members, progs)
+               for t, leaf in zip(leaves, p.leaves))
+
+
+_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv or SEPARATE
+
+
+def tuned_choice(x, members, programs, layout):
+    """A grouped GEMV config, or SEPARATE: measured on the first call of a shape (see the module doc)."""
+    progs = [DecodeProgram.from_text(t) for t in programs]
+    if not _groupable(x, members, progs, layout):
+        return SEPARATE
+    bucket = next_power_of_2(x.shape[0])
+    key = (tuple(programs), layout, bucket, x.device)
+    if key in _tuned:
+        return _tuned[key]
+    if torch.cuda.is_current_stream_capturing():
+        return SEPARATE  # nothing can be timed while a graph is captured
+    lay = PackedLayout.from_text(layout)
+    K, Ns = progs[0].K, [p.N for p in progs]
+    if pg.group_args(x, members, lay, K, Ns) is None:
+        _tuned[key] = SEPARATE
+        return SEPARATE
+    cands = [c for c in dm._packed_candidates(bucket, sum(Ns), K, sm_count(x.device), lay, x.dtype)
+             if isinstance(c, pm.PackedGemv)]
+    probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
+                        dtype=x.dtype)
+    refs = _separate(probe, members, programs, layout)  # each member's own tuned (and checked) kernel
+    bounds = [dm.AGREEMENT.get(r.dtype, 1e-3) * (r.float().abs() + r.float().abs().mean()) for r in refs]
+    best, best_ms = SEPARATE, dm._gpu_time(lambda: _separate(x, members, programs, layout))
+    for cfg in cands:
+        try:
+            outs = pg.gemv_group(probe, members, lay, K, Ns, cfg)
+            if any(not ((o.float() - r.float()).abs() <= b).all() for o, r, b in zip(outs, refs, bounds)):
+                log.warning("fusekern decode_mm_group: %s is off for %s: skipped", cfg, Ns)
+                continue
+            ms = dm._gpu_time(lambda: pg.gemv_group(x, members, lay, K, Ns, cfg))
+        except Exception as e:  # a config that does not compile or fit on this device: skip it
+            log.warning("fusekern decode_mm_group: skipping %s for %s: %s", cfg, Ns, e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _tuned[key] = best
+    return best
+
+
+# ----------------------------------------------------------------------------- custom op
+
+torch.library.define("fusekern::decode_mm_group",
+                     "(Tensor x, Tensor[] leaves, str[] programs, str layout) -> Tensor[]")
+
+
+@torch.library.impl("fusekern::decode_mm_group", "CUDA")
+def _decode_mm_group_cuda(x, leaves, programs, layout):
+    members = split_leaves(leaves, programs)
+    cfg = tuned_choice(x, members, programs, layout)
+    if cfg != SEPARATE:
+        progs = [DecodeProgram.from_text(t) for t in programs]
+        outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg)
+        if outs is not None:
+            return outs
+    return _separate(x, members, programs, layout)
+
+
+@torch.library.impl("fusekern::decode_mm_group", "CPU")
+def _decode_mm_group_cpu(x, leaves, programs, layout):
+    return _separate(x, split_leaves(leaves, programs), programs, layout)
+
+
+@torch.library.register_fake("fusekern::decode_mm_group")
+def _decode_mm_group_fake(x, leaves, programs, layout):
+    return _separate(x, split_leaves(leaves, programs), programs, layout)  # decode_mm's fake checks each
+
+
+decode_mm_group = torch.ops.fusekern.decode_mm_group
