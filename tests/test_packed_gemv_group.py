@@ -6,6 +6,8 @@ tolerance. CPU: the Triton interpreter on small shapes with column tails, split 
 partials) and none, two and three members; members that cannot share a launch (another layout's
 strides, a global scale) are refused. GPU: the decoder's q / k / v shapes.
 """
+import functools
+
 import pytest
 import torch
 
@@ -24,13 +26,18 @@ TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
 
 def member(fmt, K, N, x, seed):
     """(leaves, layout) of the zoo's ``fmt`` weight at N x K, groups of 128, on x's device."""
+    return _member(fmt, K, N, x.dtype, x.device, seed)
+
+
+@functools.lru_cache(maxsize=32)  # (tracing a 4096-wide decode takes seconds; the GPU tests reuse them)
+def _member(fmt, K, N, dtype, device, seed):
     torch.manual_seed(seed)
     case = BY_NAME[fmt]
-    ws = [w.to(x.dtype) if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else w
+    ws = [w.to(dtype) if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else w
           for w in case.make(K, N, 128, "cpu")]
-    text, leaves, consts = decode_program(case.fn, x.cpu(), *ws)
+    text, leaves, consts = decode_program(case.fn, torch.randn(1, K, dtype=dtype), *ws)
     prog = DecodeProgram.from_text(text)
-    return [t.to(x.device) for t in leaves], derive_layout(prog, recognize(prog, consts), consts)
+    return [t.to(device) for t in leaves], derive_layout(prog, recognize(prog, consts), consts)
 
 
 def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16):
