@@ -89,6 +89,15 @@ def test_what_cannot_share_a_call_stays_alone():
                     present=["fusekern.decode_mm.default", "fusekern.decode_mm_group.default"])
 
 
+def test_a_constant_table_leaf_is_moved_up():
+    """NVFP4 decodes through a lookup table, a graph constant the rewrite lifts right before each
+    matmul: the later members' lifted tables move up to the group call."""
+    torch.manual_seed(8)
+    mod = Projections([128, 64, 64], weights="nvfp4")
+    assert_compiled(mod, (_x(),), fired={"decode_matmul": 3, "decode_matmul_group": 1},
+                    gone=["fusekern.decode_mm.default"])
+
+
 def test_disabled_by_name():
     torch.manual_seed(5)
     mod = Projections([256, 128, 128])

@@ -40,12 +40,12 @@ def _member(fmt, K, N, dtype, device, seed):
     return [t.to(device) for t in leaves], derive_layout(prog, recognize(prog, consts), consts)
 
 
-def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16):
+def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16, members=None):
     x = torch.randn(M, K, dtype=dtype, device=DEVICE)
     made = [member(fmt, K, n, x, seed) for seed, n in enumerate(Ns)]
     lay = made[0][1]
     assert all(m[1] == lay for m in made)
-    members = [m[0] for m in made]
+    members = members or [m[0] for m in made]
     ws = None
     if cfg.SPLIT_K > 1:
         ws = torch.full((cfg.SPLIT_K * M * sum(Ns),), float("nan"), device=DEVICE)  # poisoned partials
@@ -66,6 +66,30 @@ def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16):
                          ids=["three_split", "two_tails_no_split", "three_tails_split"])
 def test_group_matches_each_launch(fmt, Ns, M, split_k):
     _check(fmt, 256, list(Ns), M, pm.PackedGemv(32, 128, split_k, 4))
+
+
+@pytest.mark.parametrize("fmt,vec_k", [("fp8_channel", False), ("fp8_channel", True), ("int8_channel", True)])
+def test_byte_codes_read_as_words(fmt, vec_k):
+    """fp8 codes viewed as bytes, then read four at a time as int32 words (pointer offsets in bytes,
+    cast after the move), with and without vector loads along K; two members, split K."""
+    _check(fmt, 256, [64, 40], 1, pm.PackedGemv(32, 128, 2, 4, vec_k=vec_k))
+
+
+def test_members_before_member_zero_and_inside_one_buffer():
+    """Negative offsets (members allocated before member 0) and members that are row slices of one
+    buffer (small positive offsets)."""
+    K, Ns, x = 256, [64, 32, 32], torch.randn(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    made = [member("int8_channel", K, n, x, seed) for seed, n in enumerate(Ns)]
+    cfg = pm.PackedGemv(32, 128, 2, 4)
+    q = torch.cat([m[0][0] for m in made])  # one [128, K] int8 buffer, each member a row slice of it
+    s = torch.cat([m[0][1] for m in made])
+    starts = [0, 64, 96]
+    sliced = [[q[a:a + n], s[a:a + n]] for a, n in zip(starts, Ns)]
+    assert sliced[1][0].data_ptr() - sliced[0][0].data_ptr() == 64 * K
+    _check("int8_channel", K, Ns, 1, cfg, members=sliced)
+    backwards = sliced[::-1]  # member 0 last in the buffer: the others lie before it
+    assert backwards[1][0].data_ptr() - backwards[0][0].data_ptr() == -32 * K
+    _check("int8_channel", K, Ns[::-1], 1, cfg, members=backwards)
 
 
 def test_fp16_rows_and_whole_tiles():
@@ -89,7 +113,17 @@ def test_members_that_cannot_share_a_launch_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel"])
-@pytest.mark.parametrize("split_k", [1, 9])
-def test_gpu_qkv(fmt, split_k):
-    _check(fmt, 4096, [4096, 1024, 1024], 1, pm.PackedGemv(64, 128, split_k, 4))
+@pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "fp8_channel"])
+@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
+def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
+    """At a decoder's q / k / v and gate / up shapes, every GEMV config the dispatcher offers for the
+    summed width (what ``decode_mm_group`` may choose) gives each member its own launch's output."""
+    from fusekern.kernels import decode_mm as dm
+    from fusekern.kernels.device_info import sm_count
+
+    lay = member(fmt, 4096, Ns[0], torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE), 0)[1]
+    cfgs = [c for c in dm._packed_candidates(1, sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
+            if isinstance(c, pm.PackedGemv)]
+    assert cfgs
+    for cfg in cfgs:
+        _check(fmt, 4096, list(Ns), 1, cfg)

@@ -109,6 +109,8 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
     cfg = tuned_choice(x, members, programs, layout)
     if cfg != SEPARATE:
         progs = [DecodeProgram.from_text(t) for t in programs]
+        for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
+            dm._check_args(x, m, p, None, text)
         outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg)
         if outs is not None:
             return outs

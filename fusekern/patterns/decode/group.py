@@ -50,8 +50,14 @@ def _key(node: Node):
 
 def _ready_before(nodes: list[Node], order: dict) -> bool:
     """Everything the group call reads (the first member's activation, every member's leaves) is
-    computed before the first member, where the call goes."""
+    computed before the first member, where the call goes. A later member's leaf made from earlier nodes
+    only (the rewrite lifts a constant table right before its matmul) is moved up to the first member."""
     first = nodes[0]
+    for leaf in [leaf for n in nodes[1:] for leaf in n.args[1]]:
+        if order[leaf] > order[first] and leaf.op == "call_function" and \
+                all(order[a] < order[first] for a in leaf.all_input_nodes):
+            first.prepend(leaf)
+            order[leaf] = order[first] - 0.5
     inputs = [a for a in first.all_input_nodes] + [leaf for n in nodes[1:] for leaf in n.args[1]]
     return all(order[a] < order[first] for a in inputs)
 
@@ -59,7 +65,7 @@ def _ready_before(nodes: list[Node], order: dict) -> bool:
 def group_decode_matmuls(graph: Graph) -> int:
     """Replace groups of 2-3 ``decode_mm`` calls sharing x, layout and K; returns the number of groups."""
     from fusekern.compiler_pass.canonicalize import copy_meta
-    from fusekern.compiler_pass.report import record_note
+    from fusekern.compiler_pass.report import record_note, record_rejection
 
     buckets: dict = {}
     for n in graph.nodes:
@@ -72,7 +78,11 @@ def group_decode_matmuls(graph: Graph) -> int:
         for i in range(0, len(nodes) - 1, pg.MAX_MEMBERS):
             members = nodes[i:i + pg.MAX_MEMBERS]
             order = {n: k for k, n in enumerate(graph.nodes)}  # (afresh: earlier groups added nodes)
-            if len(members) < 2 or not _ready_before(members, order):
+            if len(members) < 2:
+                continue
+            if not _ready_before(members, order):
+                record_rejection(NAME, members[0].name, "a later member's leaves are computed after the "
+                                                        "first member: the calls stay separate")
                 continue
             x, layout = members[0].args[0], members[0].args[4]
             leaves = [leaf for m in members for leaf in m.args[1]]
