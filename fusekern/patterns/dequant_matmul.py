@@ -214,19 +214,24 @@ register_pattern(
 # -- any other decode: the structural matcher --------------------------------------------------------
 # Runs after the exact patterns above (registration order), so forms with a hand-written kernel keep it.
 
-def _decode_rewrite():
+def _sources_hash(*modules) -> str:
+    """A short hash of the modules' source: a structural rewrite's cache key covers the code it relies
+    on, not just the module holding the rewrite function, so a graph compiled by older code is not loaded
+    from inductor's cache."""
     import hashlib
     import inspect
 
+    h = hashlib.sha256()
+    for mod in modules:
+        h.update(inspect.getsource(mod).encode())
+    return h.hexdigest()[:12]
+
+
+def _decode_rewrite():
     from fusekern.kernels import decode_mm, packed_mm
     from fusekern.patterns.decode import analysis, formats, layout, program, rewrite
 
-    # The rewrite's cache key covers the analysis and the kernel generator, not just the module holding
-    # the rewrite function: a graph compiled by older code must not be loaded from inductor's cache.
-    h = hashlib.sha256()
-    for mod in (analysis, formats, layout, program, decode_mm, packed_mm):
-        h.update(inspect.getsource(mod).encode())
-    version = f"{decode_mm.KERNEL_VERSION}+{h.hexdigest()[:12]}"
+    version = f"{decode_mm.KERNEL_VERSION}+{_sources_hash(analysis, formats, layout, program, decode_mm, packed_mm)}"
     register_rewrite(
         rewrite.NAME, rewrite.rewrite_decode_matmuls, family="dequant_matmul", stage="post_grad",
         kernel_version=version,
@@ -240,18 +245,12 @@ _decode_rewrite()
 
 
 def _group_rewrite():
-    import hashlib
-    import inspect
-
     from fusekern.kernels import decode_mm_group, packed_gemv_group
     from fusekern.patterns.decode import group
 
-    h = hashlib.sha256()
-    for mod in (group, decode_mm_group, packed_gemv_group):
-        h.update(inspect.getsource(mod).encode())
     register_rewrite(
         group.NAME, group.group_decode_matmuls, family="dequant_matmul", stage="post_grad",
-        kernel_version=h.hexdigest()[:12],
+        kernel_version=_sources_hash(group, decode_mm_group, packed_gemv_group),
         description="two or three fused decode -> matmuls on the same activation (q / k / v, gate / up), "
                     "same K and packed layout: one call, whose GEMVs run as one launch where measured faster",
     )
