@@ -118,12 +118,24 @@ def test_members_that_cannot_share_a_launch_are_refused():
 def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
     """At a decoder's q / k / v and gate / up shapes, every GEMV config the dispatcher offers for the
     summed width (what ``decode_mm_group`` may choose) gives each member its own launch's output."""
-    from fusekern.kernels import decode_mm as dm
+    from fusekern.kernels import decode_mm_group as dmg
     from fusekern.kernels.device_info import sm_count
 
     lay = member(fmt, 4096, Ns[0], torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE), 0)[1]
-    cfgs = [c for c in dm._packed_candidates(1, sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
-            if isinstance(c, pm.PackedGemv)]
+    cfgs = dmg.group_candidates(1, sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
     assert cfgs
     for cfg in cfgs:
         _check(fmt, 4096, list(Ns), 1, cfg)
+
+
+def test_group_candidates_leave_out_vector_k_reads():
+    """The grouped launch is offered the dispatcher's GEMV configs for the summed width except those reading
+    K in vectors (the grouped build cannot prove its members' words aligned: see ``group_candidates``)."""
+    from fusekern.kernels import decode_mm as dm
+    from fusekern.kernels import decode_mm_group as dmg
+
+    lay = member("fp8_channel", 256, 64, torch.empty(1, 256, dtype=torch.bfloat16), 0)[1]
+    offered = [c for c in dm._packed_candidates(1, 28672, 4096, 132, lay) if isinstance(c, pm.PackedGemv)]
+    assert any(c.vec_k for c in offered)
+    got = dmg.group_candidates(1, 28672, 4096, 132, lay)
+    assert got and not any(c.vec_k for c in got) and set(got) == {c for c in offered if not c.vec_k}
