@@ -105,6 +105,32 @@ def test_disabled_by_name():
                     options={"fusekern.disable": ["decode_matmul_group"]})
 
 
+def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkeypatch):
+    """The tuner's answer is cached per programs (each layer's weights share them); one layer whose leaves
+    cannot share a launch (``group_args`` refuses them) runs its members apart without caching that, so
+    the next layer's leaves are still measured."""
+    monkeypatch.setattr(dmg, "_groupable", lambda *a: True)
+    monkeypatch.setattr(dmg.pg, "group_args", lambda *a: None)
+    monkeypatch.setattr(dmg, "_tuned", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
+    from fusekern.patterns.decode.formats import recognize
+    from fusekern.patterns.decode.layout import derive_layout
+    from fusekern.patterns.decode.program import DecodeProgram
+    from fusekern.testing.decode_cones import decode_program
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    x, members, programs = torch.randn(1, 256, dtype=torch.bfloat16), [], []
+    for n in (64, 32):
+        case = BY_NAME["int4_k_stack"]
+        text, leaves, consts = decode_program(case.fn, x, *case.make(256, n, 128, "cpu"))
+        prog = DecodeProgram.from_text(text)
+        layout = derive_layout(prog, recognize(prog, consts), consts).to_text()
+        members.append(leaves)
+        programs.append(text)
+    assert dmg.tuned_choice(x, members, programs, layout) == dmg.SEPARATE
+    assert dmg._tuned == {}
+
+
 def test_op_checks_its_leaves():
     torch.manual_seed(5)
     mod = Projections([128, 64], device="cpu")

@@ -81,8 +81,7 @@ def tuned_choice(x, members, programs, layout):
     lay = PackedLayout.from_text(layout)
     K, Ns = progs[0].K, [p.N for p in progs]
     if pg.group_args(x, members, lay, K, Ns) is None:
-        _tuned[key] = SEPARATE
-        return SEPARATE
+        return SEPARATE  # not cached: another layer's leaves for the same programs may share a launch
     cands = group_candidates(bucket, sum(Ns), K, sm_count(x.device), lay, x.dtype)
     probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
                         dtype=x.dtype)
