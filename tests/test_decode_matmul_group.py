@@ -6,6 +6,8 @@ bias), leaves alone what cannot share a call (another K, a bias, another layout)
 name, and the compiled module matches eager; the op checks its leaves. GPU: the tuner's choice (one
 launch or the members' own) agrees with the members' own launches at the decoder's q / k / v shapes.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,15 +108,16 @@ def test_disabled_by_name():
 
 
 def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkeypatch):
-    """The tuner's answer is cached per programs (each layer's weights share them); one layer whose leaves
+    """The tuner's answer is cached per programs (each layer's weights share them). One layer whose leaves
     cannot share a launch (``group_args`` refuses them) runs its members apart without caching that, so
-    the next layer's leaves are still measured."""
+    the next layer's leaves are still measured; a layout that never groups is cached at once; and a config
+    cached from another layer, met by leaves that cannot share a launch, runs each member alone."""
     monkeypatch.setattr(dmg, "_groupable", lambda *a: True)
     monkeypatch.setattr(dmg.pg, "group_args", lambda *a: None)
     monkeypatch.setattr(dmg, "_tuned", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
     from fusekern.patterns.decode.formats import recognize
-    from fusekern.patterns.decode.layout import derive_layout
+    from fusekern.patterns.decode.layout import PackedLayout, derive_layout
     from fusekern.patterns.decode.program import DecodeProgram
     from fusekern.testing.decode_cones import decode_program
     from fusekern.testing.decode_zoo import BY_NAME
@@ -129,6 +132,16 @@ def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkey
         programs.append(text)
     assert dmg.tuned_choice(x, members, programs, layout) == dmg.SEPARATE
     assert dmg._tuned == {}
+    # a layout no weights of which can share a launch (packed along N) is answered once for its programs
+    awq = PackedLayout.from_text(layout)
+    awq = dataclasses.replace(awq, pack_axis="N")
+    assert dmg.tuned_choice(x, members, programs, awq.to_text()) == dmg.SEPARATE
+    assert list(dmg._tuned.values()) == [dmg.SEPARATE]
+    # a config cached from another layer meets leaves that cannot share a launch: each member runs alone
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: dmg.pm.PackedGemv(32, 128, 1, 4))
+    got = dmg._decode_mm_group_cuda(x, [t for m in members for t in m], programs, layout)
+    want = dmg._separate(x, members, programs, layout)
+    assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_op_checks_its_leaves():

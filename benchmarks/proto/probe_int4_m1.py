@@ -2,11 +2,14 @@
 
     python benchmarks/proto/probe_int4_m1.py [--ncu]
 
-1. A read-only kernel over the same bytes (int32 words [N, K/8]) with the GEMV's and int4_mma's tile
-   shapes and grids: the time the loads alone take (no decode, no MMA). Also a streaming read with many
-   bytes in flight per thread: the practical floor at this size.
-2. The shipped int4 kernels (int4_mma direct / TMA, best GEMV) at the same shape.
-With --ncu, each kernel runs twice without CUDA graphs (for ncu's counters), and nothing is timed.
+1. Read-only kernels over the same bytes (int32 words [N, K/8]): tiles [BLOCK_N, BLOCK_K / 8] read with
+   vector loads along K over (N / BLOCK_N, SPLIT_K) programs (tile shapes and grids like the GEMV's and
+   int4_mma's; a split that does not divide the K tiles is lowered to one that does), and a grid-stride
+   streaming read: the time the loads alone take (no decode, no MMA), the practical floor at this size.
+2. int4_mma as the dispatcher offers it (direct and TMA words, 4 and 2 programs per SM; not scale_first),
+   the two GEMV configs it offers for these codes, and two vector-K GEMV configs it does not offer.
+Timed with do_bench_cudagraph. With --ncu, each kernel runs twice without CUDA graphs (for ncu's
+counters: ``benchmarks/results/h200/int4_m1_ncu.csv`` keeps the second), and nothing is timed or printed.
 """
 from __future__ import annotations
 

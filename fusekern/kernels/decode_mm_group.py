@@ -79,6 +79,9 @@ def tuned_choice(x, members, programs, layout):
     if torch.cuda.is_current_stream_capturing():
         return SEPARATE  # nothing can be timed while a graph is captured
     lay = PackedLayout.from_text(layout)
+    if not pg.layout_groupable(lay):
+        _tuned[key] = SEPARATE  # no weights of this layout can share a launch
+        return SEPARATE
     K, Ns = progs[0].K, [p.N for p in progs]
     if pg.group_args(x, members, lay, K, Ns) is None:
         return SEPARATE  # not cached: another layer's leaves for the same programs may share a launch
@@ -110,7 +113,6 @@ torch.library.define("fusekern::decode_mm_group",
                      "(Tensor x, Tensor[] leaves, str[] programs, str layout) -> Tensor[]")
 
 
-@torch.library.impl("fusekern::decode_mm_group", "CUDA")
 def _decode_mm_group_cuda(x, leaves, programs, layout):
     members = split_leaves(leaves, programs)
     cfg = tuned_choice(x, members, programs, layout)
@@ -122,6 +124,9 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)
+
+
+torch.library.impl("fusekern::decode_mm_group", "CUDA")(_decode_mm_group_cuda)  # (kept callable for tests)
 
 
 @torch.library.impl("fusekern::decode_mm_group", "CPU")

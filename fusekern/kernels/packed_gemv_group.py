@@ -8,7 +8,9 @@ the same program as ``packed_mm.packed_gemv_kernel`` (``packed_mm.gemv_program``
 repacked: a member's leaves are reached as element offsets from the first member's (any two tensors of
 one dtype on a device are a whole number of elements apart in the address space when both are aligned to
 their element size, which the launcher checks). Each member's output is the separate launch's, bit for
-bit, with the same config.
+bit, with the same config. Configs that read K in vectors (``vec_k``) are refused: the member offsets are
+runtime values, so the compiler cannot prove the words 16-byte aligned, loads them one by one in another
+layout and sums in another order (on the H200 one output of 14336 came out a bf16 ulp off).
 
 The members must share the activation, K, the packed layout and every leaf stride (e.g. int4 bytes
 ``[N, K/2]`` with scales ``[N, K/G]``: strides depend on K only); GPTQ's ``[K/8, N]`` words, whose strides
@@ -71,10 +73,16 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
     return d // base.element_size() if d % base.element_size() == 0 else None
 
 
+def layout_groupable(lay: PackedLayout) -> bool:
+    """Can weights of this layout ever share a launch? (Not packed along N, no global scale: whether their
+    leaves can is ``group_args``'s question.)"""
+    return lay.pack_axis != "N" and lay.glob < 0
+
+
 def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int]):
     """The shared arguments of a grouped launch (pointers and strides of member 0, constexprs) and each
     member's leaf pointers, or None where the members cannot share one launch (see the module doc)."""
-    if not 2 <= len(members) <= MAX_MEMBERS or lay.pack_axis == "N" or lay.glob >= 0:
+    if not 2 <= len(members) <= MAX_MEMBERS or not layout_groupable(lay):
         return None
     words, common = [], []
     for leaves, N in zip(members, Ns):
@@ -98,6 +106,8 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     """``[x @ W_i for each member]`` in one launch (members: each one's leaves, Ns: their N), or None where
     they cannot share one (the caller runs ``packed_mm.gemv`` per member). workspace: the fp32
     ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch (tests pass one full of NaN)."""
+    if cfg.vec_k:
+        raise ValueError("gemv_group: configs that read K in vectors (vec_k) are not grouped (see the module doc)")
     M = x.shape[0]
     args = group_args(x, members, lay, K, Ns)
     if args is None:
