@@ -2,7 +2,7 @@
 scale applied before the MMA (``scale_first``: bf16 scales, 128 registers).
 
     python benchmarks/sweep_int4_mma_tma.py [--csv OUT.csv] [--formats gptq,int4_k_stack] [--shapes ...]
-                                            [--ms 1,16] [--grid tma|wide]
+                                            [--ms 1,16] [--grid tma|wide|regs]
 
 Every config is checked against the float64 reference and timed in a CUDA graph (``do_bench_cudagraph``,
 median); the floor moves the codes, zeros and scales once at 4.3 TB/s.
@@ -22,6 +22,8 @@ from fusekern.kernels import packed_mm as pm
 def configs(N: int, K: int, sms: int, grid: str = "tma") -> list:
     if grid == "wide":
         return wide_configs(N, K, sms)
+    if grid == "regs":
+        return regs_configs(N, K, sms)
     out = []
     for per_sm in (4, 2):
         sk = im.split_k_for(N, K, 128, sms, per_sm)
@@ -44,13 +46,26 @@ def wide_configs(N: int, K: int, sms: int) -> list:
     return list(dict.fromkeys(out))
 
 
+def regs_configs(N: int, K: int, sms: int) -> list:
+    """The TMA variants with and without a 128-register cap (4 programs per SM instead of 3), scale_first
+    (128 registers on its own) beside them, at 4 and 2 programs per SM."""
+    out = []
+    for per_sm in (4, 2):
+        sk = im.split_k_for(N, K, 128, sms, per_sm)
+        for stages in (3, 4):
+            for cap in (None, 128):
+                out.append(im.Int4Mma(128, sk, 4, tma=True, num_stages=stages, maxnreg=cap))
+        out.append(im.Int4Mma(128, sk, 4, tma=True, num_stages=3, scale_first=True))
+    return list(dict.fromkeys(out))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--formats", default="gptq,int4_k_stack")
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336")
     ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--grid", default="tma", choices=("tma", "wide"))
+    ap.add_argument("--grid", default="tma", choices=("tma", "wide", "regs"))
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -68,11 +83,13 @@ def main():
                 for cfg in configs(N, K, sms, args.grid):
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
                     row = dict(**meta, format=fmt, N=N, K=K, M=M, config=str(cfg), tma=cfg.tma,
-                               scale_first=cfg.scale_first,
+                               scale_first=cfg.scale_first, maxnreg=cfg.maxnreg or "",
                                us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
                                x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
                     out.write(row)
                     kind = "scale_first" if cfg.scale_first else "tma" if cfg.tma else "direct"
+                    if cfg.maxnreg:
+                        kind += f" maxnreg{cfg.maxnreg}"
                     if args.grid == "wide":
                         kind += f" {cfg.BLOCK_N}w{cfg.num_warps}"
                     if not isinstance(us, str) and us < best.get(kind, (1e9,))[0]:

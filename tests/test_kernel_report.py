@@ -115,3 +115,21 @@ def test_sm_count_is_read_once_per_device_under_threads(monkeypatch):
         t.join()
     assert results == [77] * 16
     assert calls == [5]
+
+
+def test_int4_mma_tma_fits_a_128_register_cap_without_spilling():
+    """The lead issue 4's counters point to (README): capped at 128 registers, int4_mma's TMA variants still
+    compile for sm_90a with no local memory, so 4 programs can share an SM."""
+    script = (
+        "import dataclasses\n"
+        "from fusekern.kernels.catalog import all_builds\n"
+        "from fusekern.kernels.aot import resources\n"
+        "for b in all_builds():\n"
+        "    if b.kernel == 'int4_mma' and ' tma ' in b.config and 'scale_first' not in b.config:\n"
+        "        r = resources(dataclasses.replace(b, maxnreg=128).compile())\n"
+        "        print(b.config, r.registers, r.stack, r.spill_stores, r.spill_loads)\n")
+    lines = run_python(["-c", script]).stdout.strip().splitlines()
+    assert lines, "no int4_mma TMA build in the catalog"
+    for line in lines:
+        regs, stack, st, ld = map(int, line.split()[-4:])
+        assert regs <= 128 and stack == st == ld == 0, line

@@ -69,6 +69,10 @@ class Int4Mma:
     # bf16 scales: (q - z) * s rounded to bf16 before the MMA, as eager's dequantization rounds it, and the
     # MMA accumulates (128 registers with TMA, not 167: the scaled product's fp32 copy is gone)
     scale_first: bool = False
+    # a register cap per thread (Triton's maxnreg launch option): 128 compiles the TMA variants without a
+    # spill (sm_90a) and lets 4 programs share an SM instead of 3 (issue 4's counters in README); not yet
+    # offered by the dispatcher: benchmarks/sweep_int4_mma_tma.py --grid regs measures it
+    maxnreg: int | None = None
 
 
 def _int32_words(lay: PackedLayout) -> bool:
@@ -366,7 +370,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M,
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
         ASM=not _INTERPRET, TMA=tma, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
