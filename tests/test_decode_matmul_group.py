@@ -110,7 +110,7 @@ def test_disabled_by_name():
 def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkeypatch):
     """The tuner's answer is cached per programs (each layer's weights share them). One layer whose leaves
     cannot share a launch (``group_args`` refuses them) runs its members apart without caching that, so
-    the next layer's leaves are still measured; a layout that never groups is cached at once; and a config
+    the next layer's leaves are still measured; members no one program can serve are cached at once; and a config
     cached from another layer, met by leaves that cannot share a launch, runs each member alone."""
     monkeypatch.setattr(dmg, "_groupable", lambda *a: True)
     monkeypatch.setattr(dmg.pg, "group_args", lambda *a: None)
@@ -132,7 +132,7 @@ def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkey
         programs.append(text)
     assert dmg.tuned_choice(x, members, programs, layout) == dmg.SEPARATE
     assert dmg._tuned == {}
-    # a layout no weights of which can share a launch (packed along N) is answered once for its programs
+    # where one program cannot serve them (here: a layout packed along N), the answer holds for every layer
     awq = PackedLayout.from_text(layout)
     awq = dataclasses.replace(awq, pack_axis="N")
     assert dmg.tuned_choice(x, members, programs, awq.to_text()) == dmg.SEPARATE

@@ -79,12 +79,12 @@ def tuned_choice(x, members, programs, layout):
     if torch.cuda.is_current_stream_capturing():
         return SEPARATE  # nothing can be timed while a graph is captured
     lay = PackedLayout.from_text(layout)
-    if not pg.layout_groupable(lay):
-        _tuned[key] = SEPARATE  # no weights of this layout can share a launch
-        return SEPARATE
     K, Ns = progs[0].K, [p.N for p in progs]
+    if not pg.one_program(members, lay, K, Ns):
+        _tuned[key] = SEPARATE  # (the same for every layer with these programs)
+        return SEPARATE
     if pg.group_args(x, members, lay, K, Ns) is None:
-        return SEPARATE  # not cached: another layer's leaves for the same programs may share a launch
+        return SEPARATE  # not cached: another layer's leaves for the same programs may lie apart
     cands = group_candidates(bucket, sum(Ns), K, sm_count(x.device), lay, x.dtype)
     probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
                         dtype=x.dtype)

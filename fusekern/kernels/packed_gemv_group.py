@@ -73,16 +73,11 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
     return d // base.element_size() if d % base.element_size() == 0 else None
 
 
-def layout_groupable(lay: PackedLayout) -> bool:
-    """Can weights of this layout ever share a launch? (Not packed along N, no global scale: whether their
-    leaves can is ``group_args``'s question.)"""
-    return lay.pack_axis != "N" and lay.glob < 0
-
-
-def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int]):
-    """The shared arguments of a grouped launch (pointers and strides of member 0, constexprs) and each
-    member's leaf pointers, or None where the members cannot share one launch (see the module doc)."""
-    if not 2 <= len(members) <= MAX_MEMBERS or not layout_groupable(lay):
+def _one_program(members: list, lay: PackedLayout, K: int, Ns: list[int]):
+    """(word reading, member 0's pointers, strides and constexprs, every member's) where one program serves
+    all members, else None. This depends on the programs and layout only (a leaf's strides are its
+    program's), not on where the leaves lie."""
+    if not 2 <= len(members) <= MAX_MEMBERS or lay.pack_axis == "N" or lay.glob >= 0:
         return None
     words, common = [], []
     for leaves, N in zip(members, Ns):
@@ -91,6 +86,22 @@ def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
         common.append(pm._common(lay, leaves, K, N, w[0]))
     if any(w != words[0] for w in words) or any(c[1:] != common[0][1:] for c in common):
         return None  # another word reading, stride or constexpr: not one program
+    return words[0], common
+
+
+def one_program(members: list, lay: PackedLayout, K: int, Ns: list[int]) -> bool:
+    """Can one program serve these members, wherever their leaves lie? (``group_args`` also needs the
+    leaves a whole number of elements apart.)"""
+    return _one_program(members, lay, K, Ns) is not None
+
+
+def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int]):
+    """The shared arguments of a grouped launch (pointers and strides of member 0, constexprs) and each
+    member's leaf pointers, or None where the members cannot share one launch (see the module doc)."""
+    shared = _one_program(members, lay, K, Ns)
+    if shared is None:
+        return None
+    word, common = shared
     ptrs = [c[0] for c in common]  # (q, s, z, g) per member
     offsets = []
     for p in ptrs[1:]:
@@ -98,7 +109,7 @@ def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
         if any(o is None for o in offs) or any(t.dtype != t0.dtype for t, t0 in zip(p[:3], ptrs[0][:3])):
             return None
         offsets.append(offs)
-    return words[0], common[0], offsets
+    return word, common[0], offsets
 
 
 def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int], cfg: pm.PackedGemv,
