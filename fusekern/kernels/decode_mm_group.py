@@ -59,10 +59,8 @@ _tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv or SEP
 
 
 def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=torch.bfloat16) -> list:
-    """The GEMV configs the dispatcher offers for the summed width, less those reading K in vectors: in the
-    grouped build the compiler cannot prove a member's words 16-byte aligned (their offsets are runtime
-    values), so they load single words in another layout and sum in another order (on the H200 one output
-    of 14336 came out a bf16 ulp off the member's own launch), which also takes away their point."""
+    """The GEMV configs the dispatcher offers for the summed width, less those reading K in vectors, which
+    ``packed_gemv_group.gemv_group`` refuses (its module doc says why)."""
     return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype)
             if isinstance(c, pm.PackedGemv) and not c.vec_k]
 
@@ -80,11 +78,10 @@ def tuned_choice(x, members, programs, layout):
         return SEPARATE  # nothing can be timed while a graph is captured
     lay = PackedLayout.from_text(layout)
     K, Ns = progs[0].K, [p.N for p in progs]
-    if not pg.one_program(members, lay, K, Ns):
-        _tuned[key] = SEPARATE  # (the same for every layer with these programs)
-        return SEPARATE
     if pg.group_args(x, members, lay, K, Ns) is None:
-        return SEPARATE  # not cached: another layer's leaves for the same programs may lie apart
+        if not pg.one_program(members, lay, K, Ns):  # (the same for every layer with these programs)
+            _tuned[key] = SEPARATE
+        return SEPARATE  # else not cached: another layer's leaves for the same programs may lie apart
     cands = group_candidates(bucket, sum(Ns), K, sm_count(x.device), lay, x.dtype)
     probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
                         dtype=x.dtype)

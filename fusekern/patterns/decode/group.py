@@ -77,9 +77,9 @@ def group_decode_matmuls(graph: Graph) -> int:
     for nodes in buckets.values():
         for i in range(0, len(nodes) - 1, pg.MAX_MEMBERS):
             members = nodes[i:i + pg.MAX_MEMBERS]
-            order = {n: k for k, n in enumerate(graph.nodes)}  # (afresh: earlier groups added nodes)
             if len(members) < 2:
                 continue
+            order = {n: k for k, n in enumerate(graph.nodes)}  # (afresh: earlier groups added nodes)
             if not _ready_before(members, order):
                 record_rejection(NAME, members[0].name, "a later member's leaves are computed after the "
                                                         "first member: the calls stay separate")
