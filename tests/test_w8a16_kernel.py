@@ -124,3 +124,14 @@ def test_custom_op_matches_reference():
     x, w, s, b = make(6, 20, 40, torch.float16, bias_dtype=torch.float16)
     out = torch.ops.fusekern.w8a16_linear(x, w, s, b, torch.float16)
     assert rel_err(out, k.w8a16_linear_reference(x.cpu(), w.cpu(), s.cpu(), b.cpu())) < TOL[torch.float16]
+
+
+def test_custom_op_fp32_activations_take_the_reference_path():
+    """fp32 rows are not the kernel's: the CUDA kernel hands them to the reference implementation (it was
+    once decorated away to None, and this call raised TypeError), which the op also runs on CPU."""
+    x, w, s, b = make(3, 20, 40, torch.float32, bias_dtype=torch.float32)
+    want = k.w8a16_linear_reference(x.cpu(), w.cpu(), s.cpu(), b.cpu())
+    out = torch.ops.fusekern.w8a16_linear(x, w, s, b, torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out.cpu(), want) < 1e-5
+    direct = k._w8a16_linear_cuda(x, w, s, b, torch.float32)  # (falls back before any GPU work)
+    assert torch.equal(direct.cpu(), out.cpu())

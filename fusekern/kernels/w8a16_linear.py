@@ -490,7 +490,6 @@ torch.library.define(
 )
 
 
-@torch.library.impl("fusekern::w8a16_linear", "CUDA")
 def _w8a16_linear_cuda(x, w, scale, bias, out_dtype):
     """``(x @ w.T) * scale + bias`` for int8 w, as one fused kernel."""
     if x.dtype in SUPPORTED_ACT_DTYPES:
@@ -498,7 +497,9 @@ def _w8a16_linear_cuda(x, w, scale, bias, out_dtype):
     return _w8a16_linear_cpu(x, w, scale, bias, out_dtype)
 
 
-@torch.library.impl("fusekern::w8a16_linear", "CPU")
+torch.library.impl("fusekern::w8a16_linear", "CUDA")(_w8a16_linear_cuda)
+
+
 def _w8a16_linear_cpu(x, w, scale, bias, out_dtype):
     """fp32 accumulation, the same math as the kernel."""
     _check_args(x, w, scale, bias)
@@ -506,6 +507,10 @@ def _w8a16_linear_cpu(x, w, scale, bias, out_dtype):
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+# (registered, not decorated: the decorator returns None, and the CUDA kernel falls back to this)
+torch.library.impl("fusekern::w8a16_linear", "CPU")(_w8a16_linear_cpu)
 
 
 @torch.library.register_fake("fusekern::w8a16_linear")
