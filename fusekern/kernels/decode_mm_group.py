@@ -17,8 +17,10 @@ import torch
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
+from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import next_power_of_2
+from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
 from fusekern.patterns.decode.program import DecodeProgram
 
@@ -110,14 +112,26 @@ torch.library.define("fusekern::decode_mm_group",
                      "(Tensor x, Tensor[] leaves, str[] programs, str layout) -> Tensor[]")
 
 
+_REPLAYS = LeafCache()  # (programs, layout, activation) per leaf set -> the grouped launch's replay
+
+
 def _decode_mm_group_cuda(x, leaves, programs, layout):
+    """Calls after the first with the same leaves and activation layout replay its grouped launch
+    (``replay``); members run one by one replay at ``decode_mm``'s level."""
+    key = (tuple(programs), layout, *replay.x_key(x))
+    rep = _REPLAYS.get(key, leaves)
+    if rep is not None:
+        return rep(x)
     members = split_leaves(leaves, programs)
     cfg = tuned_choice(x, members, programs, layout)
     if cfg != SEPARATE:
         progs = [DecodeProgram.from_text(t) for t in programs]
         for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
             dm._check_args(x, m, p, None, text)
-        outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg)
+        record = None if torch.cuda.is_current_stream_capturing() else \
+            (lambda r: _REPLAYS.put(key, leaves, r))  # (capturing: the config may be the untuned fallback)
+        outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg,
+                             record=record)
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels import replay
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -347,9 +348,11 @@ def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
 
 
 def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4Mma, bias=None,
-             workspace: torch.Tensor | None = None) -> torch.Tensor:
+             workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
-    fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split)."""
+    fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split). record:
+    called with an ``Int4MmaReplay`` of this call (a contiguous x, no workspace given)."""
+    rec = record is not None and workspace is None and x.is_contiguous()
     check(x, leaves, lay, K, N, cfg, bias)
     x = x.contiguous()  # (the kernel reads rows K apart; a copy of at most 16 rows where they are not)
     M = x.shape[0]
@@ -366,12 +369,36 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     q = _words_i32(leaves, lay)
     z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
     tma, desc = _tma_words(q, lay, cfg) if cfg.tma else (0, None)
-    int4_mma_kernel[(tiles_n, cfg.SPLIT_K)](
-        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M,
+    launch = replay.launch(int4_mma_kernel, (tiles_n, cfg.SPLIT_K), (
+        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M), dict(
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
         ASM=not _INTERPRET, TMA=tma, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
+        rec)
+    if rec and launch.replayable:
+        record(Int4MmaReplay(launch, M, N, x.dtype, cfg.SPLIT_K, bias is not None))
     return out
+
+
+class Int4MmaReplay:
+    """``int4_mma``'s launch replayed for a new (contiguous) activation: a fresh output, and fresh split-K
+    partials, per call; the leaves, descriptor, bias and counters are the recorded ones."""
+
+    def __init__(self, launch: replay.Launch, M: int, N: int, dtype: torch.dtype, split_k: int, has_bias: bool):
+        self.launch, self.shape, self.dtype, self.split_k, self.has_bias = launch, (M, N), dtype, split_k, has_bias
+        names = ("x_ptr", "out_ptr") + (() if has_bias else ("bias_ptr",)) + \
+            (("ws_ptr",) if split_k > 1 else ("ws_ptr", "cnt_ptr"))
+        self.slots = launch.slots(*names)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, device=x.device, dtype=self.dtype)
+        vals = (x, out) if self.has_bias else (x, out, out)
+        if self.split_k > 1:
+            vals += (torch.empty((self.split_k, *self.shape), device=x.device, dtype=torch.float32),)
+        else:
+            vals += (out, out)
+        self.launch.run(self.slots, vals)
+        return out
 
 
 def _words_i32(leaves, lay: PackedLayout) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import packed_mm as pm
+from fusekern.kernels import replay
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
@@ -113,10 +114,11 @@ def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
 
 
 def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int], cfg: pm.PackedGemv,
-               workspace: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+               workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
     """``[x @ W_i for each member]`` in one launch (members: each one's leaves, Ns: their N), or None where
     they cannot share one (the caller runs ``packed_mm.gemv`` per member). workspace: the fp32
-    ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch (tests pass one full of NaN)."""
+    ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch (tests pass one full of NaN). record: called
+    with a ``GemvGroupReplay`` of this call (no workspace given)."""
     if cfg.vec_k:
         raise ValueError("gemv_group: configs that read K in vectors (vec_k) are not grouped (see the module doc)")
     M = x.shape[0]
@@ -148,14 +150,39 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     even = K % cfg.BLOCK_K == 0 and all(n % cfg.BLOCK_N == 0 for n in Ns)
     i64 = any(leaves[lay.code].numel() >= 2**31 for leaves in members)
     q, s, z, g = ptrs
-    packed_gemv_group_kernel[(sum(tiles), cfg.SPLIT_K, M)](
+    rec = record is not None and workspace is None
+    launch = replay.launch(packed_gemv_group_kernel, (sum(tiles), cfg.SPLIT_K, M), (
         x, q, s, z, g, outs[0], ws, cnt, M, Ns[0], K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn,
-        *t_bounds, *n_rest, *dq, *ds, *dz, *dout, *dws,
+        *t_bounds, *n_rest, *dq, *ds, *dz, *dout, *dws), dict(
         P=p, KPOS=pm._kpos(order), WORD_I32=word_i32, SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not pm._INTERPRET, EVEN=even, I64=i64,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
+    if rec and launch.replayable:
+        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
+
+
+class GemvGroupReplay:
+    """``gemv_group``'s launch replayed for a new activation: fresh outputs (their offsets from the first
+    one are arguments) and fresh split-K partials per call; leaves and counters are the recorded ones."""
+
+    def __init__(self, launch, M: int, Ns: list[int], dtype: torch.dtype, split_k: int):
+        self.launch, self.M, self.Ns, self.dtype, self.split_k = launch, M, list(Ns), dtype, split_k
+        self.total = split_k * M * sum(Ns)
+        self.slots = launch.slots("x_ptr", "out_ptr", "DO1", "DO2", "ws_ptr", *(() if split_k > 1 else ("cnt_ptr",)))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = [torch.empty((self.M, n), device=x.device, dtype=self.dtype) for n in self.Ns]
+        base, es = outs[0].data_ptr(), outs[0].element_size()
+        d = [(o.data_ptr() - base) // es for o in outs[1:]]
+        vals = (x, outs[0], d[0], d[-1])  # (two members: the second offset repeats the first)
+        if self.split_k > 1:
+            vals += (torch.empty(self.total, device=x.device, dtype=torch.float32),)
+        else:
+            vals += (outs[0], outs[0])
+        self.launch.run(self.slots, vals)
+        return outs
 
 
 def aot_builds():

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import Int4Mma, int4_mma, layout_fits as int4_mma_fits
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
@@ -738,8 +739,9 @@ def _constexprs(lay: PackedLayout, fp8_scale: bool) -> dict:
 
 
 def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
-         workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice)."""
+         workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice). record: called
+    with a ``GemvReplay`` of this call (weights packed along K, no workspace given)."""
     M = x.shape[0]
     if lay.pack_axis == "N":
         return _gemv_n(x, leaves, lay, K, N, cfg, bias, workspace)
@@ -758,14 +760,39 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         out = workspace[0] if workspace is not None else torch.empty((M, N), device=x.device, dtype=x.dtype)
         ws = cnt = out
     has_bias = bias is not None
-    packed_gemv_kernel[(tiles_n, cfg.SPLIT_K, M)](
+    rec = record is not None and workspace is None
+    launch = replay.launch(packed_gemv_kernel, (tiles_n, cfg.SPLIT_K, M), (
         x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
-        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1)), dict(
         P=p, KPOS=_kpos(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
+    if rec and launch.replayable:
+        record(GemvReplay(launch, M, N, x.dtype, cfg.SPLIT_K, has_bias))
     return out
+
+
+class GemvReplay:
+    """``gemv``'s launch replayed for a new activation (``replay``): a fresh output, and fresh split-K
+    partials, per call; the leaves, bias and counters are the recorded ones."""
+
+    def __init__(self, launch: replay.Launch, M: int, N: int, dtype: torch.dtype, split_k: int, has_bias: bool):
+        self.launch, self.shape, self.dtype, self.split_k = launch, (M, N), dtype, split_k
+        names = ("x_ptr", "out_ptr") + (() if has_bias else ("bias_ptr",)) + \
+            (("ws_ptr",) if split_k > 1 else ("ws_ptr", "cnt_ptr"))
+        self.slots = launch.slots(*names)
+        self.has_bias = has_bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, device=x.device, dtype=self.dtype)
+        vals = (x, out) if self.has_bias else (x, out, x)
+        if self.split_k > 1:
+            vals += (torch.empty((self.split_k, *self.shape), device=x.device, dtype=torch.float32),)
+        else:
+            vals += (out, out)
+        self.launch.run(self.slots, vals)
+        return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -844,18 +871,19 @@ def reduce_split_k(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) ->
 
 
 def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None,
-              workspace: torch.Tensor | None = None) -> torch.Tensor:
+              workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """Run one config (GEMV, tensor-core tile, the register-decoded int4 tensor-core kernel, or decode +
     cuBLAS). A bias other than a contiguous [N] vector is added after the kernel, in fp32. workspace: the
-    ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN)."""
+    ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN). record:
+    called with a replay of the whole call where one launch is all of it (``replay``; GEMV and int4_mma)."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
         return (packed_mm(x, leaves, lay, K, N, cfg, workspace=workspace).float() + bias.float()).to(x.dtype)
     if isinstance(cfg, PackedGemv):
-        return gemv(x, leaves, lay, K, N, cfg, bias, workspace)
+        return gemv(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, PackedDot):
         return dot(x, leaves, lay, K, N, cfg, bias, workspace)
     if isinstance(cfg, Int4Mma):
-        return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace)
+        return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg)
     out = x @ w
     if bias is not None:

@@ -1,0 +1,85 @@
+"""Where the decode step's host time goes without a CUDA graph: the demo's decoder layers compiled with
+stock ``torch.compile`` and with ``backend="fusekern"``, timed back to back (host-bound at B = 1), the
+launches per step counted, and fusekern's Python time broken down with cProfile.
+
+    python benchmarks/profile_e2e_host.py [--batch 1] [--calls 200] [--top 30]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_e2e_decode import layers_fn  # noqa: E402
+
+import fusekern  # noqa: E402,F401
+from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, Decoder  # noqa: E402
+
+
+def per_call_us(f, args, calls: int) -> float:
+    """Wall time per call of back-to-back calls (the GPU queue never drains at B = 1 if host-bound)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def launches(f, args) -> dict:
+    """Runtime API calls of one step that start GPU work, by name."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f(*args)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if "Launch" in e.key or "Memcpy" in e.key or "Memset" in e.key:
+            out[e.key] = e.count
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    cfg = LLAMA3_8B_SHAPED
+    torch.manual_seed(0)
+    model = Decoder(cfg, "w4a16", args.batch, "cuda").eval()
+    pos = torch.tensor([PROMPT_LEN], device="cuda")
+    x = torch.randn(args.batch, 1, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    fns = {"stock": torch.compile(layers_fn(model)), "fusekern": torch.compile(layers_fn(model), backend="fusekern")}
+    with torch.no_grad():
+        for name, f in fns.items():
+            for _ in range(5):
+                f(x, pos)
+        for name, f in fns.items():  # twice, interleaved: the second pass is the one to read
+            for rep in range(2):
+                print(f"{name:9s} pass {rep}: {per_call_us(f, (x, pos), args.calls):8.1f} us per call", flush=True)
+        for name, f in fns.items():
+            print(f"{name:9s} launches per step: {launches(f, (x, pos))}", flush=True)
+        prof = cProfile.Profile()
+        f = fns["fusekern"]
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(args.calls):
+            f(x, pos)
+        torch.cuda.synchronize()
+        prof.disable()
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
+        print(f"--- fusekern, {args.calls} calls, by {key}\n{s.getvalue()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""A Triton launch recorded on its first run and replayed without the per-call Python around it.
+
+A decode op runs once per token with the same weights and shapes. On the H200's host its Python path
+cost 100-300 µs per call (profile_e2e_host.py): the op re-checks the leaves, finds its tuned config,
+derives the kernel arguments, and Triton's JIT binds and specializes 40+ arguments again, while the
+kernel takes 5-30 µs; without a CUDA graph the compiled decode step was host-bound and slower than stock
+inductor. Once a call has run, everything a launch needs is known except the activation and the fresh
+outputs. ``Launch`` keeps the compiled kernel, the grid and the full argument list of its first run
+(tensors as their addresses) and calls the kernel's launcher directly, with new values in named slots.
+
+What may change between replays is the caller's business: the ops replay only for the same leaf tensors
+(``LeafCache``: same objects, storage, strides, shape, dtype), the same activation shape, strides,
+dtype, device and 16-byte alignment (the JIT specializes pointers on it), outside CUDA-graph capture
+when recorded. Values that hold no weight: the recorded addresses stay valid only while the leaves do,
+which the ``LeafCache`` check guarantees at every use.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import triton
+from triton import knobs
+
+
+class _Address:
+    """A tensor descriptor's base, reduced to what the launcher reads of it: its address."""
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def _frozen(v):
+    """A recorded argument holding no tensor: tensors become addresses, descriptors get an address base."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr()
+    if hasattr(v, "block_shape") and isinstance(getattr(v, "base", None), torch.Tensor):  # TensorDescriptor
+        d = copy.copy(v)
+        object.__setattr__(d, "base", _Address(v.base.data_ptr()))
+        return d
+    return v
+
+
+class Launch:
+    """``jit_fn[grid](*args, **kwargs)``, run now through the JIT, and replayable by ``run``."""
+
+    def __init__(self, jit_fn, grid, args: tuple, kwargs: dict):
+        self.kernel = jit_fn[grid](*args, **kwargs)
+        params = jit_fn.params
+        values = list(args) + [kwargs[p.name] if p.name in kwargs else p.default for p in params[len(args):]]
+        self.args = [_frozen(v) for v in values]
+        self.index = {p.name: i for i, p in enumerate(params)}
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+    @property
+    def replayable(self) -> bool:
+        """False under the interpreter (nothing compiled to replay)."""
+        return self.kernel is not None and hasattr(self.kernel, "packed_metadata")
+
+    def slots(self, *names: str) -> tuple[int, ...]:
+        return tuple(self.index[n] for n in names)
+
+    def run(self, slots: tuple[int, ...], values) -> None:
+        """Launch again with ``values`` in ``slots`` (tensors or addresses), on the current stream."""
+        args = self.args.copy()
+        for i, v in zip(slots, values):
+            args[i] = v
+        k, (g0, g1, g2) = self.kernel, self.grid
+        stream = _stream(self.device)
+        enter = knobs.runtime.launch_enter_hook
+        meta = k.launch_metadata(self.grid, stream, *args) if enter is not None else None
+        k.run(g0, g1, g2, stream, k.function, k.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook, *args)
+
+
+def _stream(device: int):
+    """The device's current stream, as Triton's launcher takes it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def launch(jit_fn, grid, args: tuple, kwargs: dict, record: bool) -> Launch | None:
+    """``jit_fn[grid](*args, **kwargs)``; recorded (a ``Launch``) only when asked: recording costs more."""
+    if record:
+        return Launch(jit_fn, grid, args, kwargs)
+    jit_fn[grid](*args, **kwargs)
+    return None
+
+
+def x_key(x: torch.Tensor) -> tuple:
+    """What a recorded launch assumed of the activation (the JIT specializes on shape-derived ints,
+    strides and 16-byte alignment), and the device the kernel was loaded on."""
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
+            torch.cuda.current_device() if x.is_cuda else -1)

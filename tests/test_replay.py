@@ -1,0 +1,347 @@
+"""Replayed launches (``fusekern.kernels.replay``): after a decode op's first call, the same leaves and
+activation layout replay its recorded Triton launch without the op's Python path.
+
+CPU: a recorded launch keeps every argument in the kernel's signature order with tensors as addresses
+(no weight kept alive) and writes new values into named slots; the ops replay only for the very same
+leaves (and bias) and activation shape, strides, dtype and alignment, and record nothing while a CUDA graph
+is captured. GPU: every replay (GEMV, grouped GEMV, int4 tensor-core kernel; split K, bias, TMA, fp16)
+gives the first call's kernel's output bit for bit on new rows, into fresh (poisoned) memory.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import decode_mm_group as dmg
+from fusekern.kernels import int4_mma as im
+from fusekern.kernels import packed_gemv_group as pg
+from fusekern.kernels import packed_mm as pm
+from fusekern.kernels import replay
+from fusekern.testing import rel_err
+
+from test_packed_gemv_group import member
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------- CPU: the recording
+
+
+@dataclasses.dataclass
+class _Param:
+    name: str
+    default: object = None
+
+
+class _Compiled:
+    """Stands for a compiled kernel: records what its launcher is called with."""
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.calls = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, meta, enter, exit_, *args):
+        self.calls.append(((g0, g1, g2), stream, list(args)))
+
+
+class _Jit:
+    """Stands for a ``triton.jit`` function: ``params`` and ``[grid](...)``, which runs and returns the
+    compiled kernel."""
+
+    def __init__(self, names, defaults=None):
+        self.params = [_Param(n, (defaults or {}).get(n)) for n in names]
+        self.compiled = _Compiled()
+        self.jit_calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+def test_launch_records_the_signature_order_with_tensors_as_addresses(monkeypatch):
+    monkeypatch.setattr(replay, "_stream", lambda device: 7)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    jit = _Jit(["x_ptr", "w_ptr", "desc", "M", "BLOCK", "FLAG"], defaults={"FLAG": 0})
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [4, 8])
+    rec = replay.Launch(jit, (3, 2), (x, w, desc, 4), dict(BLOCK=32, num_warps=4))
+    assert len(jit.jit_calls) == 1 and rec.replayable
+    assert rec.args[:2] == [x.data_ptr(), w.data_ptr()]  # addresses: the record keeps no tensor alive
+    assert rec.args[2].base.data_ptr() == w.data_ptr() and not isinstance(rec.args[2].base, torch.Tensor)
+    assert rec.args[2].block_shape == [4, 8] and desc.base is w  # (the caller's descriptor is untouched)
+    assert rec.args[3:] == [4, 32, 0]  # M, the keyword constexpr, a default; launch options are not args
+    y = torch.randn(4, 8)
+    rec.run(rec.slots("x_ptr", "M"), (y, 5))
+    grid, stream, args = jit.compiled.calls[-1]
+    assert grid == (3, 2, 1) and stream == 7
+    assert args[0] is y and args[3] == 5 and args[1] == w.data_ptr()
+    assert rec.args[0] == x.data_ptr() and rec.args[3] == 4  # the record itself is unchanged
+    with pytest.raises(KeyError):
+        rec.slots("nope")
+
+
+def test_launch_through_the_interpreter_is_not_replayable():
+    class Interpreted(_Jit):
+        def __getitem__(self, grid):
+            return lambda *a, **k: None  # the interpreter returns no compiled kernel
+    assert not replay.Launch(Interpreted(["a"]), (1,), (1,), {}).replayable
+    jit = _Jit(["a"])
+    assert replay.launch(jit, (1,), (1,), {}, record=False) is None and len(jit.jit_calls) == 1
+
+
+class _Rep:
+    """A stand-in replay: counts calls and returns a marker."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return ("replayed", x.shape)
+
+
+def _leaves(n=3):
+    return [torch.randn(8, 4) for _ in range(n)]
+
+
+def test_decode_mm_replays_only_the_same_leaves_and_activation_layout(monkeypatch):
+    monkeypatch.setattr(dm, "_REPLAYS", dm.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
+    reps, normal = [], []
+
+    def fake_triton(x, leaves, program, bias, layout="", record=None):
+        normal.append(x.shape)
+        rep = _Rep()
+        reps.append(rep)
+        record(rep)
+        return "normal"
+    monkeypatch.setattr(dm, "decode_mm_triton", fake_triton)
+    monkeypatch.setattr(dm.DecodeProgram, "from_text", staticmethod(lambda t: _FakeProg()))
+    leaves, bias = _leaves(), torch.randn(4)
+    x = torch.randn(2, 16)
+    assert dm._decode_mm_cuda(x, leaves, "p", None, "lay") == "normal"
+    assert dm._decode_mm_cuda(torch.randn(2, 16), leaves, "p", None, "lay") == ("replayed", (2, 16))
+    assert reps[0].calls == 1 and len(normal) == 1
+    # anything the launch assumed that differs: the op's own path (and a new record)
+    others = [(torch.randn(3, 16), leaves, "p", None, "lay"),  # shape
+              (torch.randn(16, 2).t(), leaves, "p", None, "lay"),  # strides
+              (torch.randn(2, 16, dtype=torch.float16), leaves, "p", None, "lay"),  # dtype
+              (torch.randn(2 * 16 + 1)[1:].view(2, 16), leaves, "p", None, "lay"),  # 4 bytes past alignment
+              (x, [t.clone() for t in leaves], "p", None, "lay"),  # other leaf tensors
+              (x, leaves, "q", None, "lay"),  # another program
+              (x, leaves, "p", None, "other"),  # another layout
+              (x, leaves, "p", bias, "lay")]  # a bias
+    for args in others:
+        n = len(normal)
+        assert dm._decode_mm_cuda(*args) == "normal" and len(normal) == n + 1
+    assert dm._decode_mm_cuda(x, leaves, "p", bias, "lay") == ("replayed", (2, 16))
+    assert dm._decode_mm_cuda(x, leaves, "p", torch.randn(4), "lay") == "normal"  # another bias tensor
+    leaves[1].t_()  # the same tensor object, its strides changed in place
+    assert dm._decode_mm_cuda(x, leaves, "p", None, "lay") == "normal"
+    # nothing is recorded while a CUDA graph is captured
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    given = []
+    monkeypatch.setattr(dm, "decode_mm_triton", lambda *a, record=None, **k: given.append(record) or "normal")
+    assert dm._decode_mm_cuda(x, _leaves(), "p", None, "lay") == "normal"
+    assert given == [None]
+
+
+def test_leaves_with_other_strides_take_the_reference_path():
+    """The CUDA kernel hands leaves whose strides differ from the program's to the reference
+    implementation (it was once decorated away to None, and this call raised TypeError)."""
+    from fusekern.patterns.decode.layout import derive_layout
+    from fusekern.patterns.decode.formats import recognize
+    from fusekern.patterns.decode.program import DecodeProgram
+    from fusekern.testing.decode_cones import decode_program
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    torch.manual_seed(0)
+    case = BY_NAME["int4_k_stack"]
+    x, ws = torch.randn(2, 256, dtype=torch.bfloat16), case.make(256, 64, 128, "cpu")
+    text, leaves, consts = decode_program(case.fn, x, *ws)
+    prog = DecodeProgram.from_text(text)
+    layout = derive_layout(prog, recognize(prog, consts), consts).to_text()
+    strided = [t.t().contiguous().t() if t.dim() == 2 else t for t in leaves]  # same values, other strides
+    assert any(tuple(t.stride()) != leaf.stride for t, leaf in zip(strided, prog.leaves))
+    got = dm._decode_mm_cuda(x, strided, text, None, layout)
+    assert torch.equal(got, dm.decode_mm(x, leaves, text, None, layout))
+    assert rel_err(got.float(), case.fn(x, *ws).float()) < 1e-2  # the user's eager graph
+
+
+class _FakeProg:
+    """What ``_decode_mm_cuda`` reads of a program before it calls the kernel path."""
+
+    @property
+    def leaves(self):
+        return []
+
+
+def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: pm.PackedGemv(32, 128, 1, 4))
+    monkeypatch.setattr(dmg, "split_leaves", lambda leaves, programs: [leaves[:2], leaves[2:]])
+    monkeypatch.setattr(dm, "_check_args", lambda *a: None)
+    monkeypatch.setattr(dmg.DecodeProgram, "from_text", staticmethod(lambda t: dataclasses.make_dataclass(
+        "P", [("K", int), ("N", int)])(16, 8)))
+    monkeypatch.setattr(dmg.PackedLayout, "from_text", staticmethod(lambda t: None))
+    reps, grouped = [], []
+
+    def fake_group(x, members, lay, K, Ns, cfg, record=None):
+        grouped.append(x.shape)
+        rep = _Rep()
+        reps.append(rep)
+        if record is not None:
+            record(rep)
+        return ["normal"]
+    monkeypatch.setattr(dmg.pg, "gemv_group", fake_group)
+    leaves, x = _leaves(4), torch.randn(1, 16)
+    assert dmg._decode_mm_group_cuda(x, leaves, ["a", "b"], "lay") == ["normal"]
+    assert dmg._decode_mm_group_cuda(torch.randn(1, 16), leaves, ["a", "b"], "lay") == ("replayed", (1, 16))
+    assert len(grouped) == 1
+    assert dmg._decode_mm_group_cuda(x, leaves[:3] + [leaves[3].clone()], ["a", "b"], "lay") == ["normal"]
+    assert dmg._decode_mm_group_cuda(x, leaves, ["a", "c"], "lay") == ["normal"]
+    assert dmg._decode_mm_group_cuda(torch.randn(2, 16), leaves, ["a", "b"], "lay") == ["normal"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    fresh = _leaves(4)
+    dmg._decode_mm_group_cuda(x, fresh, ["a", "b"], "lay")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    n = len(grouped)
+    dmg._decode_mm_group_cuda(x, fresh, ["a", "b"], "lay")
+    assert len(grouped) == n + 1  # recorded under capture: nothing to replay
+
+
+# ----------------------------------------------------------------------------- GPU: replays compute the same
+
+
+def _poisoned_replay(rep, x, shapes):
+    """``rep(x)`` after NaN-filled blocks of the output sizes were freed (the allocator hands them out again):
+    a replay that leaves any output element unwritten shows NaN."""
+    for s in shapes:
+        torch.full(s, float("nan"), device=DEVICE, dtype=x.dtype)
+        torch.full((64, *s), float("nan"), device=DEVICE, dtype=torch.float32)
+    return rep(x)
+
+
+def _record(fn, *args, **kwargs):
+    recs = []
+    fn(*args, **kwargs, record=recs.append)
+    assert len(recs) == 1
+    return recs[0]
+
+
+GEMV_CASES = [("int4_k_stack", 4096, 1024, 1, pm.PackedGemv(64, 256, 4, 4), False, torch.bfloat16),
+              ("int4_k_stack", 256, 136, 3, pm.PackedGemv(32, 128, 1, 4), True, torch.bfloat16),
+              ("gptq", 4096, 4096, 1, pm.PackedGemv(128, 128, 2, 4, vec_k=True), False, torch.bfloat16),
+              ("fp8_channel", 512, 200, 2, pm.PackedGemv(64, 128, 2, 4), True, torch.float16),
+              ("mxfp4", 256, 64, 1, pm.PackedGemv(32, 128, 2, 4), False, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias,dtype", GEMV_CASES,
+                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-bias' if c[5] else ''}"
+                              for c in GEMV_CASES])
+def test_gpu_gemv_replay(fmt, K, N, M, cfg, with_bias, dtype):
+    x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+    leaves, lay = member(fmt, K, N, x, 0)
+    bias = torch.randn(N, dtype=dtype, device=DEVICE) if with_bias else None
+    rep = _record(pm.gemv, x, leaves, lay, K, N, cfg, bias)
+    assert isinstance(rep, pm.GemvReplay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=dtype, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, N)])
+        want = pm.gemv(x2, leaves, lay, K, N, cfg, bias)
+        assert got.shape == (M, N) and got.dtype == dtype and not got.isnan().any()
+        assert torch.equal(got, want)
+        assert rel_err(got.float().cpu(), pm.packed_mm_reference(x2, leaves, lay, K, N, bias).float()) < 4e-3
+
+
+INT4_CASES = [("int4_k_stack", 4096, 4096, 1, im.Int4Mma(128, 4, 4, tma=True, num_stages=3, scale_first=True), False),
+              ("gptq", 4096, 14336, 16, im.Int4Mma(128, 8, 4, tma=True, num_stages=4), True),
+              ("gptq", 384, 136, 3, im.Int4Mma(64, 1, 4), False),
+              ("int4_k_stack", 4096, 1024, 1, im.Int4Mma(64, 8, 4, tma=True, num_stages=3, maxnreg=128), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias", INT4_CASES,
+                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-tma' if c[4].tma else ''}"
+                              f"{'-bias' if c[5] else ''}" for c in INT4_CASES])
+def test_gpu_int4_mma_replay(fmt, K, N, M, cfg, with_bias):
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    leaves, lay = member(fmt, K, N, x, 0)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
+    rep = _record(im.int4_mma, x, leaves, lay, K, N, cfg, bias)
+    assert isinstance(rep, im.Int4MmaReplay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, N)])
+        want = im.int4_mma(x2, leaves, lay, K, N, cfg, bias)
+        assert not got.isnan().any() and torch.equal(got, want)
+    # rows that are not contiguous are copied by the kernel's path: nothing to record
+    recs = []
+    im.int4_mma(torch.randn(K, M, dtype=torch.bfloat16, device=DEVICE).t(), leaves, lay, K, N, cfg, bias,
+                record=recs.append)
+    assert recs == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,Ns,M,cfg,dtype", [
+    ("int4_k_stack", [4096, 1024, 1024], 1, pm.PackedGemv(64, 256, 4, 4), torch.bfloat16),
+    ("int4_k_stack", [14336, 14336], 1, pm.PackedGemv(128, 128, 2, 4), torch.bfloat16),
+    ("int8_channel", [96, 40], 2, pm.PackedGemv(32, 128, 1, 4), torch.float16)],
+    ids=["qkv_split", "gate_up_split", "two_no_split_fp16"])
+def test_gpu_gemv_group_replay(fmt, Ns, M, cfg, dtype):
+    K = 4096 if Ns[0] >= 1024 else 256
+    x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+    made = [member(fmt, K, n, x, seed) for seed, n in enumerate(Ns)]
+    members, lay = [m[0] for m in made], made[0][1]
+    rep = _record(pg.gemv_group, x, members, lay, K, Ns, cfg)
+    assert isinstance(rep, pg.GemvGroupReplay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=dtype, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, n) for n in Ns])
+        want = pg.gemv_group(x2, members, lay, K, Ns, cfg)
+        assert len(got) == len(Ns)
+        for g, w, n in zip(got, want, Ns):
+            assert g.shape == (M, n) and not g.isnan().any() and torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_ops_replay_after_the_first_call():
+    """Through the registered ops: the second call with the same leaves replays (the op keeps the record)
+    and returns the first call's kernel's result for the new rows."""
+    K, Ns = 4096, [1024, 1024]
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
+    from fusekern.testing.decode_cones import decode_program
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    case = BY_NAME["int4_k_stack"]
+    texts, members = [], []
+    for seed, n in enumerate(Ns):
+        torch.manual_seed(seed)
+        text, leaves, _ = decode_program(case.fn, x.cpu(), *[w.to(torch.bfloat16) if w.is_floating_point() else w
+                                                              for w in case.make(K, n, 128, "cpu")])
+        texts.append(text)
+        members.append([t.to(DEVICE) for t in leaves])
+    layout = member("int4_k_stack", K, Ns[0], x, 0)[1].to_text()
+    first = dm.decode_mm(x, members[0], texts[0], None, layout)
+    assert dm._REPLAYS.get((texts[0], layout, False, *replay.x_key(x)), members[0]) is not None
+    x2 = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
+    got = dm.decode_mm(x2, members[0], texts[0], None, layout)
+    cfg = dm.tuned_config(x2, members[0], texts[0], None, 1, 1, layout)
+    assert torch.equal(got, dm.decode_mm_triton(x2, members[0], texts[0], None, cfg, layout=layout))
+    assert first.shape == got.shape
+    flat = [t for m in members for t in m]
+    outs = dmg.decode_mm_group(x, flat, texts, layout)
+    outs2 = dmg.decode_mm_group(x2, flat, texts, layout)
+    for o, m, t in zip(outs2, members, texts):
+        assert torch.equal(o, dm.decode_mm(x2, m, t, None, layout)) or \
+            rel_err(o.float(), dm.decode_mm(x2, m, t, None, layout).float()) < 4e-3  # (grouped: its own config)
+    assert len(outs) == 2
