@@ -5,7 +5,9 @@ CPU: a recorded launch keeps every argument in the kernel's signature order with
 (no weight kept alive) and writes new values into named slots; the ops replay only for the very same
 leaves (and bias) and activation shape, strides, dtype and alignment, and record nothing while a CUDA graph
 is captured. GPU: every replay (GEMV, grouped GEMV, int4 tensor-core kernel; split K, bias, TMA, fp16)
-gives the first call's kernel's output bit for bit on new rows, into fresh (poisoned) memory.
+and the paths that follow a launch with torch work (tensor-core tiles' split-K sums, decode + cuBLAS, the
+generated GEMM) give the first call's kernel's output bit for bit on new rows, into fresh (poisoned)
+memory.
 """
 import dataclasses
 
@@ -87,6 +89,27 @@ def test_launch_records_the_signature_order_with_tensors_as_addresses(monkeypatc
         rec.slots("nope")
 
 
+def test_replay_fills_fresh_buffers_then_runs_the_tail(monkeypatch):
+    monkeypatch.setattr(replay, "_stream", lambda device: 0)
+    jit = _Jit(["x_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M"])
+    x, out, ws = torch.randn(2, 8), torch.empty(2, 4), torch.empty(3, 2, 4)
+    rec = replay.Launch(jit, (1,), (x, x, out, ws, 2), {})
+    seen = []
+    rep = replay.Replay(rec, {"x_ptr": replay.X, "bias_ptr": replay.X, "out_ptr": 0, "ws_ptr": 1},
+                        [((2, 4), torch.float16), ((3, 2, 4), torch.float32)],
+                        lambda x, bufs, bias: seen.append((x, bufs, bias)) or "tail")
+    y, b = torch.randn(2, 8), torch.randn(4)
+    assert rep(y, b) == "tail"
+    (tx, bufs, tb), = seen
+    assert tx is y and tb is b
+    assert [tuple(t.shape) for t in bufs] == [(2, 4), (3, 2, 4)] and [t.dtype for t in bufs] == [torch.float16, torch.float32]
+    _, _, args = jit.compiled.calls[-1]
+    assert args[0] is y and args[1] is y and args[2] is bufs[0] and args[3] is bufs[1] and args[4] == 2
+    plain = replay.Replay(rec, {"out_ptr": 0}, [((2, 4), torch.float32)])
+    got = plain(y)
+    assert jit.compiled.calls[-1][2][2] is got and jit.compiled.calls[-1][2][0] == x.data_ptr()  # (x as recorded)
+
+
 def test_launch_through_the_interpreter_is_not_replayable():
     class Interpreted(_Jit):
         def __getitem__(self, grid):
@@ -102,7 +125,7 @@ class _Rep:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, x):
+    def __call__(self, x, bias=None):
         self.calls += 1
         return ("replayed", x.shape)
 
@@ -221,13 +244,13 @@ def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
 # ----------------------------------------------------------------------------- GPU: replays compute the same
 
 
-def _poisoned_replay(rep, x, shapes):
+def _poisoned_replay(rep, x, shapes, bias=None):
     """``rep(x)`` after NaN-filled blocks of the output sizes were freed (the allocator hands them out again):
     a replay that leaves any output element unwritten shows NaN."""
     for s in shapes:
         torch.full(s, float("nan"), device=DEVICE, dtype=x.dtype)
         torch.full((64, *s), float("nan"), device=DEVICE, dtype=torch.float32)
-    return rep(x)
+    return rep(x) if bias is None else rep(x, bias)
 
 
 def _record(fn, *args, **kwargs):
@@ -253,10 +276,10 @@ def test_gpu_gemv_replay(fmt, K, N, M, cfg, with_bias, dtype):
     leaves, lay = member(fmt, K, N, x, 0)
     bias = torch.randn(N, dtype=dtype, device=DEVICE) if with_bias else None
     rep = _record(pm.gemv, x, leaves, lay, K, N, cfg, bias)
-    assert isinstance(rep, pm.GemvReplay)
+    assert isinstance(rep, replay.Replay)
     for _ in range(2):
         x2 = torch.randn(M, K, dtype=dtype, device=DEVICE)
-        got = _poisoned_replay(rep, x2, [(M, N)])
+        got = _poisoned_replay(rep, x2, [(M, N)], bias)
         want = pm.gemv(x2, leaves, lay, K, N, cfg, bias)
         assert got.shape == (M, N) and got.dtype == dtype and not got.isnan().any()
         assert torch.equal(got, want)
@@ -278,15 +301,15 @@ def test_gpu_int4_mma_replay(fmt, K, N, M, cfg, with_bias):
     leaves, lay = member(fmt, K, N, x, 0)
     bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
     rep = _record(im.int4_mma, x, leaves, lay, K, N, cfg, bias)
-    assert isinstance(rep, im.Int4MmaReplay)
+    assert isinstance(rep, replay.Replay)
     for _ in range(2):
         x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
-        got = _poisoned_replay(rep, x2, [(M, N)])
+        got = _poisoned_replay(rep, x2, [(M, N)], bias)
         want = im.int4_mma(x2, leaves, lay, K, N, cfg, bias)
         assert not got.isnan().any() and torch.equal(got, want)
     # rows that are not contiguous are copied by the kernel's path: nothing to record
     recs = []
-    im.int4_mma(torch.randn(K, M, dtype=torch.bfloat16, device=DEVICE).t(), leaves, lay, K, N, cfg, bias,
+    im.int4_mma(torch.randn(M, 2 * K, dtype=torch.bfloat16, device=DEVICE)[:, ::2], leaves, lay, K, N, cfg, bias,
                 record=recs.append)
     assert recs == []
 
@@ -311,6 +334,50 @@ def test_gpu_gemv_group_replay(fmt, Ns, M, cfg, dtype):
         assert len(got) == len(Ns)
         for g, w, n in zip(got, want, Ns):
             assert g.shape == (M, n) and not g.isnan().any() and torch.equal(g, w)
+
+
+def _program(fmt, K, N, x, seed=0):
+    """(text, leaves on x's device, layout text) of the zoo's ``fmt`` at N x K."""
+    from fusekern.patterns.decode.formats import recognize
+    from fusekern.patterns.decode.layout import derive_layout
+    from fusekern.patterns.decode.program import DecodeProgram
+    from fusekern.testing.decode_cones import decode_program
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    torch.manual_seed(seed)
+    case = BY_NAME[fmt]
+    ws = [w.to(x.dtype) if w.is_floating_point() and w.element_size() > 1 else w for w in case.make(K, N, 128, "cpu")]
+    text, leaves, consts = decode_program(case.fn, x.cpu(), *ws)
+    prog = DecodeProgram.from_text(text)
+    lay = derive_layout(prog, recognize(prog, consts), consts)
+    return text, [t.to(x.device) for t in leaves], lay.to_text() if lay is not None else ""
+
+
+TAIL_CASES = [("int4_k_stack", 512, 200, 16, pm.PackedDot(16, 64, 64, 2, 4), True),
+              ("gptq", 512, 256, 16, pm.PackedDot(16, 64, 64, 1, 4), True),
+              ("int4_k_stack", 512, 200, 70, pm.PackedDequant(), True),
+              ("hqq", 512, 200, 16, dm.Config(16, 64, 64, 2, 1, 4, 2), True),
+              ("fp8_block", 256, 384, 3, dm.Config(1, 64, 64, 1, 1, 4, 2), False),
+              ("nvfp4", 512, 200, 70, dm.DequantConfig(), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias", TAIL_CASES,
+                         ids=[f"{c[0]}-{type(c[4]).__name__}-M{c[3]}{'-bias' if c[5] else ''}" for c in TAIL_CASES])
+def test_gpu_replay_with_a_torch_tail(fmt, K, N, M, cfg, with_bias):
+    """Paths whose launch is followed by torch work (a split-K sum, cuBLAS on the decoded weight, the bias):
+    the replay runs the same tail on its fresh buffers."""
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    text, leaves, layout = _program(fmt, K, N, x)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
+    rep = _record(dm.decode_mm_triton, x, leaves, text, bias, cfg, layout=layout)
+    assert isinstance(rep, replay.Replay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, N), (K, N)], bias)
+        want = dm.decode_mm_triton(x2, leaves, text, bias, cfg, layout=layout)
+        assert got.shape == (M, N) and not got.isnan().any() and torch.equal(got, want)
+        assert rel_err(got.float().cpu(), dm.decode_mm_reference(x2, leaves, text, bias).float().cpu()) < 1e-2
 
 
 @pytest.mark.gpu

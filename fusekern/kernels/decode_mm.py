@@ -690,15 +690,19 @@ def register_cap(cfg) -> int | None:
 _TRITON_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)  # read once, not per launch
 
 
-def _launch(text: str, cfg: Config, grid, *args, **kwargs) -> None:
+def _launch(text: str, cfg: Config, grid, *args, record=None, **kwargs) -> None:
     """Launch with ``cfg.num_stages``, or fewer when a decode's staged loads overflow shared memory
-    (the first launch finds out; the depth that fit is remembered for this program and config)."""
+    (the first launch finds out; the depth that fit is remembered for this program and config). record:
+    called with the ``replay.Launch`` that ran."""
     key = (text, cfg)
     stages = _stages.get(key, cfg.num_stages)
     while True:
         try:
-            kernel_for(text)[grid](*args, num_stages=stages, maxnreg=register_cap(cfg), **kwargs)
+            launch = replay.launch(kernel_for(text), grid, args,
+                                   dict(kwargs, num_stages=stages, maxnreg=register_cap(cfg)), record is not None)
             _stages[key] = stages
+            if launch is not None and launch.replayable:
+                record(launch)
             return
         except triton.runtime.errors.OutOfResources:
             if stages <= 1:
@@ -712,7 +716,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
 
     layout: a ``PackedLayout``'s text (a known format): its hand-tuned kernels become candidates.
     workspace: optional ``[SPLIT_K, batch, M, N]`` buffer the kernel writes (tests pass one full of NaN).
-    record: called with a replay of the call where its config's kernel offers one (``packed_mm``)."""
+    record: called with a ``replay.Replay`` of the whole call (not with a workspace given)."""
     prog = DecodeProgram.from_text(text)
     _check_args(x, leaves, prog, bias, text)
     batched = prog.batch > 0
@@ -736,12 +740,14 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
                                  f"[{cfg.SPLIT_K}, 1, {M}, {prog.N}]")
             ws = workspace[:, 0]
         return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws, record)
+    launches = []
+    rec = launches.append if record is not None and workspace is None else None
     if isinstance(cfg, DequantConfig):
-        w = decode_weight(leaves, text, x.dtype, cfg)
-        out = torch.matmul(x3, w if batched else w[0])
-        if bias is not None:
-            out = (out.float() + bias.float()).to(x.dtype) if bias.dtype != x.dtype else out + bias
-        return out if batched else out[0]
+        w = decode_weight(leaves, text, x.dtype, cfg, rec)
+        tail = functools.partial(_dequant_tail, batched=batched)
+        if launches:
+            record(replay.Replay(launches[0], {"out_ptr": 0}, [(tuple(w.shape), w.dtype)], tail))
+        return tail(x, [w], bias)
     out_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
     out = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, Bt, M, prog.N), device=x.device, dtype=out_dtype)
     if tuple(out.shape) != (cfg.SPLIT_K, Bt, M, prog.N) or out.dtype != out_dtype:
@@ -755,20 +761,43 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         SPLIT_K=cfg.SPLIT_K, GROUP_M=cfg.GROUP_M, USE_DOT=cfg.use_dot, IEEE=x.dtype == torch.float32,
-        SWAP_AB=cfg.SWAP_AB, num_warps=cfg.num_warps,
+        SWAP_AB=cfg.SWAP_AB, num_warps=cfg.num_warps, record=rec,
     )
-    out = pm.reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
+    tail = functools.partial(_split_k_tail, split_k=cfg.SPLIT_K, batched=batched)
+    if launches:
+        record(replay.Replay(launches[0], {"x_ptr": replay.X, "out_ptr": 0, **({} if has_bias else {"bias_ptr": replay.X})},
+                             [(tuple(out.shape), out.dtype)], tail))
+    return tail(x, [out], bias)
+
+
+def _dequant_tail(x, bufs, bias, batched: bool):
+    """cuBLAS on the decoded weight ``bufs[0]`` ([batch or 1, K, N]), then the bias (the decode-once path
+    and its replay)."""
+    w = bufs[0]
+    out = torch.matmul(x if batched else x.unsqueeze(0), w if batched else w[0])
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype) if bias.dtype != x.dtype else out + bias
     return out if batched else out[0]
 
 
-def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = DequantConfig()) -> torch.Tensor:
-    """The decoded weight ``[batch or 1, K, N]`` in ``dtype``, written once by the generated decode kernel."""
+def _split_k_tail(x, bufs, bias, split_k: int, batched: bool):
+    """The generated GEMM's ``[SPLIT_K, batch, M, N]`` output summed over the splits, plus the bias there."""
+    out = pm.reduce_split_k(bufs[0], bias, x.dtype, split_k)
+    return out if batched else out[0]
+
+
+def decode_weight(leaves, text: str, dtype: torch.dtype, cfg: DequantConfig = DequantConfig(),
+                  record=None) -> torch.Tensor:
+    """The decoded weight ``[batch or 1, K, N]`` in ``dtype``, written once by the generated decode kernel.
+    record: called with the ``replay.Launch``."""
     prog = DecodeProgram.from_text(text)
     Bt = max(prog.batch, 1)
     w = torch.empty((Bt, prog.K, prog.N), device=leaves[0].device, dtype=dtype)
     grid = (cdiv(prog.K, cfg.BLOCK_K), cdiv(prog.N, cfg.BLOCK_N), Bt)
-    module_for(text).decode_kernel[grid](w, *leaves, w.stride(0), w.stride(1), w.stride(2),
-                                         BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps)
+    launch = replay.launch(module_for(text).decode_kernel, grid, (w, *leaves, w.stride(0), w.stride(1), w.stride(2)),
+                           dict(BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps), record is not None)
+    if record is not None and launch.replayable:
+        record(launch)
     return w
 
 
@@ -886,7 +915,7 @@ def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     tensors = leaves if bias is None else [*leaves, bias]
     rep = _REPLAYS.get(key, tensors)
     if rep is not None:
-        return rep(x)
+        return rep(x, bias)
     prog = DecodeProgram.from_text(program)
     if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):
         return decode_mm_triton(x, leaves, program, bias, layout=layout, record=_recorder(key, tensors))

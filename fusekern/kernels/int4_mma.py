@@ -351,7 +351,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
              workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
     fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split). record:
-    called with an ``Int4MmaReplay`` of this call (a contiguous x, no workspace given)."""
+    called with a ``replay.Replay`` of this call (a contiguous x, no workspace given)."""
     rec = record is not None and workspace is None and x.is_contiguous()
     check(x, leaves, lay, K, N, cfg, bias)
     x = x.contiguous()  # (the kernel reads rows K apart; a copy of at most 16 rows where they are not)
@@ -376,29 +376,11 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
         rec)
     if rec and launch.replayable:
-        record(Int4MmaReplay(launch, M, N, x.dtype, cfg.SPLIT_K, bias is not None))
+        split = cfg.SPLIT_K > 1
+        record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if bias is not None else {"bias_ptr": 0}),
+                                      **({"ws_ptr": 1} if split else {"ws_ptr": 0, "cnt_ptr": 0})},
+                             [((M, N), x.dtype)] + ([((cfg.SPLIT_K, M, N), torch.float32)] if split else [])))
     return out
-
-
-class Int4MmaReplay:
-    """``int4_mma``'s launch replayed for a new (contiguous) activation: a fresh output, and fresh split-K
-    partials, per call; the leaves, descriptor, bias and counters are the recorded ones."""
-
-    def __init__(self, launch: replay.Launch, M: int, N: int, dtype: torch.dtype, split_k: int, has_bias: bool):
-        self.launch, self.shape, self.dtype, self.split_k, self.has_bias = launch, (M, N), dtype, split_k, has_bias
-        names = ("x_ptr", "out_ptr") + (() if has_bias else ("bias_ptr",)) + \
-            (("ws_ptr",) if split_k > 1 else ("ws_ptr", "cnt_ptr"))
-        self.slots = launch.slots(*names)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, device=x.device, dtype=self.dtype)
-        vals = (x, out) if self.has_bias else (x, out, out)
-        if self.split_k > 1:
-            vals += (torch.empty((self.split_k, *self.shape), device=x.device, dtype=torch.float32),)
-        else:
-            vals += (out, out)
-        self.launch.run(self.slots, vals)
-        return out
 
 
 def _words_i32(leaves, lay: PackedLayout) -> torch.Tensor:

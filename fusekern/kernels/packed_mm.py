@@ -741,7 +741,7 @@ def _constexprs(lay: PackedLayout, fp8_scale: bool) -> dict:
 def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedGemv, bias=None,
          workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` with the GEMV (one program per row, column tile and K slice). record: called
-    with a ``GemvReplay`` of this call (weights packed along K, no workspace given)."""
+    with a ``replay.Replay`` of this call (weights packed along K, no workspace given)."""
     M = x.shape[0]
     if lay.pack_axis == "N":
         return _gemv_n(x, leaves, lay, K, N, cfg, bias, workspace)
@@ -769,30 +769,11 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
-        record(GemvReplay(launch, M, N, x.dtype, cfg.SPLIT_K, has_bias))
+        split = cfg.SPLIT_K > 1
+        record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if has_bias else {"bias_ptr": replay.X}),
+                                      **({"ws_ptr": 1} if split else {"ws_ptr": 0, "cnt_ptr": 0})},
+                             [((M, N), x.dtype)] + ([((cfg.SPLIT_K, M, N), torch.float32)] if split else [])))
     return out
-
-
-class GemvReplay:
-    """``gemv``'s launch replayed for a new activation (``replay``): a fresh output, and fresh split-K
-    partials, per call; the leaves, bias and counters are the recorded ones."""
-
-    def __init__(self, launch: replay.Launch, M: int, N: int, dtype: torch.dtype, split_k: int, has_bias: bool):
-        self.launch, self.shape, self.dtype, self.split_k = launch, (M, N), dtype, split_k
-        names = ("x_ptr", "out_ptr") + (() if has_bias else ("bias_ptr",)) + \
-            (("ws_ptr",) if split_k > 1 else ("ws_ptr", "cnt_ptr"))
-        self.slots = launch.slots(*names)
-        self.has_bias = has_bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, device=x.device, dtype=self.dtype)
-        vals = (x, out) if self.has_bias else (x, out, x)
-        if self.split_k > 1:
-            vals += (torch.empty((self.split_k, *self.shape), device=x.device, dtype=torch.float32),)
-        else:
-            vals += (out, out)
-        self.launch.run(self.slots, vals)
-        return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -824,32 +805,41 @@ def _gemv_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Pac
 
 
 def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedDot, bias=None,
-        workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ W + bias`` on tensor cores (swap-AB)."""
+        workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` on tensor cores (swap-AB). record: called with a ``replay.Replay`` of this
+    call (no workspace given)."""
     M = x.shape[0]
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     out = _workspace(x, N, cfg.SPLIT_K, workspace)
     has_bias = bias is not None and cfg.SPLIT_K == 1
     grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K, cdiv(M, cfg.BLOCK_M))
-    packed_dot_kernel[grid](
+    rec = record is not None and workspace is None
+    launch = replay.launch(packed_dot_kernel, grid, (
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
-        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
+        x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2)), dict(
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
         HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
+    if rec and launch.replayable:
+        sk = cfg.SPLIT_K
+        record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if has_bias else {"bias_ptr": replay.X})},
+                             [(tuple(out.shape), out.dtype)],
+                             lambda x, bufs, bias: reduce_split_k(bufs[0], bias, x.dtype, sk)))
     return reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
 
 
 def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
-                  cfg: PackedDequant = PackedDequant()) -> torch.Tensor:
-    """The weight ``[K, N]`` in ``dtype``, written once."""
+                  cfg: PackedDequant = PackedDequant(), record=None) -> torch.Tensor:
+    """The weight ``[K, N]`` in ``dtype``, written once. record: called with the ``replay.Launch``."""
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
     w = torch.empty((K, N), device=leaves[lay.code].device, dtype=dtype)
     grid = (cdiv(K, cfg.BLOCK_K), cdiv(N, cfg.BLOCK_N))
-    packed_decode_kernel[grid](
-        w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1),
+    launch = replay.launch(packed_decode_kernel, grid, (
+        w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1)), dict(
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
-        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **consts)
+        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **consts), record is not None)
+    if record is not None and launch.replayable:
+        record(launch)
     return w
 
 
@@ -881,11 +871,19 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
     if isinstance(cfg, PackedGemv):
         return gemv(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, PackedDot):
-        return dot(x, leaves, lay, K, N, cfg, bias, workspace)
+        return dot(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, Int4Mma):
         return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
-    w = decode_weight(leaves, lay, K, N, x.dtype, cfg)
-    out = x @ w
+    launches = []
+    w = decode_weight(leaves, lay, K, N, x.dtype, cfg, launches.append if record is not None else None)
+    if launches:
+        record(replay.Replay(launches[0], {"w_ptr": 0}, [((K, N), x.dtype)], _matmul_tail))
+    return _matmul_tail(x, [w], bias)
+
+
+def _matmul_tail(x: torch.Tensor, bufs, bias):
+    """cuBLAS on the decoded weight, then the bias in fp32 (the decode + matmul path, and its replay)."""
+    out = x @ bufs[0]
     if bias is not None:
         out = (out.float() + bias.float()).to(x.dtype)
     return out

@@ -76,6 +76,27 @@ class Launch:
         k.run(g0, g1, g2, stream, k.function, k.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook, *args)
 
 
+X = "x"  # a replay slot that takes the activation
+
+
+class Replay:
+    """A recorded launch replayed into fresh buffers, then the recorded path's torch tail (a split-K sum,
+    the cuBLAS matmul after a weight decode, a bias). ``slots``: kernel argument -> ``X`` or the index of
+    a buffer; ``buffers``: (shape, dtype) allocated per call; ``tail(x, buffers, bias)`` gives the result
+    (None: buffer 0). The tail must hold no tensor; the bias is the caller's, the same tensor as recorded
+    (the ops check it with the leaves)."""
+
+    def __init__(self, launch: Launch, slots: dict, buffers: list, tail=None):
+        self.launch, self.buffers, self.tail = launch, buffers, tail
+        self.slots = launch.slots(*slots)
+        self.sources = tuple(slots.values())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        bufs = [torch.empty(shape, device=x.device, dtype=dtype) for shape, dtype in self.buffers]
+        self.launch.run(self.slots, [x if s == X else bufs[s] for s in self.sources])
+        return bufs[0] if self.tail is None else self.tail(x, bufs, bias)
+
+
 def _stream(device: int):
     """The device's current stream, as Triton's launcher takes it."""
     return triton.runtime.driver.active.get_current_stream(device)
