@@ -2,7 +2,7 @@
 stock ``torch.compile`` and with ``backend="fusekern"``, timed back to back (host-bound at B = 1), the
 launches per step counted, and fusekern's Python time broken down with cProfile.
 
-    python benchmarks/profile_e2e_host.py [--batch 1] [--calls 200] [--top 30]
+    python benchmarks/profile_e2e_host.py [--batch 1] [--calls 200] [--top 30] [--csv out.csv]
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_common import RowWriter, versions  # noqa: E402
 from bench_e2e_decode import layers_fn  # noqa: E402
 
-import fusekern  # noqa: E402,F401
+import fusekern  # noqa: E402,F401  (registers the backend)
 from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, Decoder  # noqa: E402
 
 
@@ -51,7 +52,9 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--csv", default=None)
     args = ap.parse_args()
+    out, info = RowWriter(args.csv), versions()
     cfg = LLAMA3_8B_SHAPED
     torch.manual_seed(0)
     model = Decoder(cfg, "w4a16", args.batch, "cuda").eval()
@@ -62,11 +65,18 @@ def main():
         for name, f in fns.items():
             for _ in range(5):
                 f(x, pos)
-        for name, f in fns.items():  # twice, interleaved: the second pass is the one to read
+        timed = {}
+        for name, f in fns.items():  # twice: the second pass is the one to read
             for rep in range(2):
-                print(f"{name:9s} pass {rep}: {per_call_us(f, (x, pos), args.calls):8.1f} us per call", flush=True)
+                timed[name, rep] = per_call_us(f, (x, pos), args.calls)
+                print(f"{name:9s} pass {rep}: {timed[name, rep]:8.1f} us per call", flush=True)
         for name, f in fns.items():
-            print(f"{name:9s} launches per step: {launches(f, (x, pos))}", flush=True)
+            n = launches(f, (x, pos))
+            print(f"{name:9s} launches per step: {n}", flush=True)
+            for rep in range(2):
+                out.write(dict(scope="layers", batch=args.batch, impl=name, timing_pass=rep,
+                               us_per_call=round(timed[name, rep], 1), launches_per_step=sum(n.values()), **info))
+        out.close()
         prof = cProfile.Profile()
         f = fns["fusekern"]
         torch.cuda.synchronize()
