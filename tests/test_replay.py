@@ -111,12 +111,72 @@ def test_replay_fills_fresh_buffers_then_runs_the_tail(monkeypatch):
 
 
 def test_launch_through_the_interpreter_is_not_replayable():
-    class Interpreted(_Jit):
+    class Interpreted:  # like triton's InterpretedFunction: no params, and no compiled kernel returned
         def __getitem__(self, grid):
-            return lambda *a, **k: None  # the interpreter returns no compiled kernel
-    assert not replay.Launch(Interpreted(["a"]), (1,), (1,), {}).replayable
+            return lambda *a, **k: None
+    assert not replay.Launch(Interpreted(), (1,), (1,), {}).replayable
     jit = _Jit(["a"])
     assert replay.launch(jit, (1,), (1,), {}, record=False) is None and len(jit.jit_calls) == 1
+
+
+class _At:
+    """A stand-in output at a chosen address (what the grouped replay reads of its fresh outputs)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+    def element_size(self):
+        return 2
+
+
+def test_grouped_replay_offsets_and_slots(monkeypatch):
+    """Fresh outputs' element offsets from the first go to DO1 / DO2 (two members: DO2 repeats DO1), the
+    split-K partials or the placeholders to ws / cnt; offsets past 32 bits under a launch recorded with
+    32-bit ones give None (the op's own path then compiles the 64-bit variant)."""
+    import inspect
+
+    monkeypatch.setattr(replay, "_stream", lambda device: 0)
+    names = list(inspect.signature(pg.packed_gemv_group_kernel.fn).parameters)
+    args = [0] * len(names)
+    for split, Ns in ((2, [64, 32, 32]), (1, [96, 40])):
+        jit = _Jit(names)
+        rec = replay.Launch(jit, (4, split, 1), tuple(args), {})
+        rep = pg.GemvGroupReplay(rec, 1, Ns, torch.bfloat16, split)
+        addresses = iter([1 << 20, (1 << 20) + 4096, (1 << 20) - 256, 7 << 40])
+        allocated = []
+
+        def empty(*shape, **kw):
+            allocated.append(shape)
+            return _At(next(addresses))
+        monkeypatch.setattr(torch, "empty", empty)
+        outs = rep(torch.zeros(1, 8))
+        monkeypatch.undo()
+        monkeypatch.setattr(replay, "_stream", lambda device: 0)
+        _, _, got = jit.compiled.calls[-1]
+        at = {n: got[i] for i, n in enumerate(names)}
+        assert [o.ptr for o in outs] == [1 << 20, (1 << 20) + 4096, (1 << 20) - 256][:len(Ns)]
+        assert at["out_ptr"] is outs[0] and at["DO1"] == 2048
+        assert at["DO2"] == (-128 if len(Ns) == 3 else 2048)
+        if split > 1:
+            assert at["ws_ptr"].ptr == 7 << 40 and at["cnt_ptr"] == 0 and allocated[-1] == (split * sum(Ns),)
+        else:
+            assert at["ws_ptr"] is outs[0] and at["cnt_ptr"] is outs[0]
+    # 32-bit offsets recorded, outputs 2**31 elements apart now: None, nothing launched
+    rec = replay.Launch(_Jit(names), (4, 1, 1), tuple(args), {})
+    rep = pg.GemvGroupReplay(rec, 1, [64, 32], torch.bfloat16, 1)
+    addresses = iter([0, 2 * 2**31])
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _At(next(addresses)))
+    n = len(rec.kernel.calls)
+    assert rep(torch.zeros(1, 8)) is None and len(rec.kernel.calls) == n
+    monkeypatch.undo()
+    # recorded with a 64-bit offset: any offset fits
+    wide = list(args)
+    wide[names.index("DO1")] = 2**33
+    rec = replay.Launch(_Jit(names), (4, 1, 1), tuple(wide), {})
+    assert not pg.GemvGroupReplay(rec, 1, [64, 32], torch.bfloat16, 1).narrow
 
 
 class _Rep:
@@ -239,6 +299,107 @@ def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
     n = len(grouped)
     dmg._decode_mm_group_cuda(x, fresh, ["a", "b"], "lay")
     assert len(grouped) == n + 1  # recorded under capture: nothing to replay
+
+
+# ----------------------------------------------------------------------------- CPU: every path through the interpreter
+
+
+class _InterpretedLaunch:
+    """``replay.Launch`` for the interpreter (tests only): keeps the arguments as given (the interpreter
+    needs tensors, not addresses) in the kernel's signature order, and replays through the interpreter.
+    The launch sites' slot names are checked against the real kernel's signature."""
+
+    def __init__(self, jit_fn, grid, args, kwargs):
+        import inspect
+
+        jit_fn[grid](*args, **kwargs)
+        params = inspect.signature(jit_fn.fn).parameters
+        self.args = list(args) + [kwargs[n] if n in kwargs else p.default for n, p in list(params.items())[len(args):]]
+        self.index = {n: i for i, n in enumerate(params)}
+        self.jit, self.grid, self.replayable = jit_fn, grid, True
+
+    def slots(self, *names):
+        return tuple(self.index[n] for n in names)
+
+    def run(self, slots, values):
+        args = self.args.copy()
+        for i, v in zip(slots, values):
+            args[i] = v
+        self.jit[self.grid](*args)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if DEVICE == "cuda":
+        pytest.skip("the GPU tests below replay compiled kernels")
+    monkeypatch.setattr(replay, "launch", lambda jit_fn, grid, args, kwargs, record:
+                        _InterpretedLaunch(jit_fn, grid, args, kwargs) if record else jit_fn[grid](*args, **kwargs))
+
+
+CPU_CASES = [("gemv", "int4_k_stack", 256, 72, 1, pm.PackedGemv(32, 128, 2, 4), True, torch.bfloat16),
+             ("gemv", "fp8_channel", 256, 64, 2, pm.PackedGemv(32, 128, 1, 4), False, torch.float16),
+             ("int4_mma", "gptq", 256, 136, 3, im.Int4Mma(64, 2, 4), True, torch.bfloat16),
+             ("int4_mma", "int4_k_stack", 256, 128, 1, im.Int4Mma(64, 1, 4, tma=True, num_stages=2), False,
+              torch.bfloat16),
+             ("dot", "int4_k_stack", 256, 72, 5, pm.PackedDot(16, 32, 64, 2, 4), True, torch.float16),
+             ("dequant", "int4_k_stack", 256, 72, 5, pm.PackedDequant(), True, torch.bfloat16),
+             ("generated", "hqq", 256, 72, 5, dm.Config(16, 32, 64, 2, 1, 4, 2), True, torch.float16),
+             ("generated_gemv", "fp8_block", 256, 384, 1, dm.Config(1, 64, 64, 1, 1, 4, 2), False, torch.bfloat16),
+             ("decode_once", "nvfp4", 256, 72, 5, dm.DequantConfig(), True, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path,fmt,K,N,M,cfg,with_bias,dtype", CPU_CASES, ids=[f"{c[0]}-{c[1]}" for c in CPU_CASES])
+def test_every_replay_matches_its_path(interpreted, path, fmt, K, N, M, cfg, with_bias, dtype):
+    """Each launch site's replay (slots named as in the real kernel, fresh buffers, the torch tail) gives
+    what the path itself computes for new rows."""
+    x = torch.randn(M, K, dtype=dtype)
+    text, leaves, layout = _program(fmt, K, N, x)
+    bias = torch.randn(N, dtype=dtype) if with_bias else None
+    rep = _record(dm.decode_mm_triton, x, leaves, text, bias, cfg, layout=layout)
+    x2 = torch.randn(M, K, dtype=dtype)
+    got = rep(x2, bias)
+    want = dm.decode_mm_triton(x2, leaves, text, bias, cfg, layout=layout)
+    assert got.shape == (M, N) and got.dtype == dtype and torch.equal(got, want)
+    assert rel_err(got.float(), dm.decode_mm_reference(x2, leaves, text, bias).float()) < 1e-2
+
+
+@pytest.mark.parametrize("Ns,split", [((64, 32, 40), 2), ((96, 40), 1)], ids=["three_split", "two"])
+def test_grouped_replay_matches_its_path(interpreted, Ns, split):
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    made = [member("int4_k_stack", 256, n, x, seed) for seed, n in enumerate(Ns)]
+    members, lay, cfg = [m[0] for m in made], made[0][1], pm.PackedGemv(32, 128, split, 4)
+    rep = _record(pg.gemv_group, x, members, lay, 256, list(Ns), cfg)
+    x2 = torch.randn(1, 256, dtype=torch.bfloat16)
+    got, want = rep(x2), pg.gemv_group(x2, members, lay, 256, list(Ns), cfg)
+    assert all(g.shape == (1, n) and torch.equal(g, w) for g, w, n in zip(got, want, Ns))
+
+
+def test_ops_record_then_replay(interpreted, monkeypatch):
+    """Through the ops' implementations: the first call records, the second replays (the path itself is
+    not entered) and gives the path's result."""
+    monkeypatch.setattr(dm, "_REPLAYS", dm.LeafCache())
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    text, leaves, layout = _program("int4_k_stack", 256, 72, x)
+    bias = torch.randn(72, dtype=torch.bfloat16)
+    first = dm._decode_mm_cuda(x, leaves, text, bias, layout)
+    x2 = torch.randn(1, 256, dtype=torch.bfloat16)
+    want = dm.decode_mm_triton(x2, leaves, text, bias, layout=layout)
+    calls = []
+    real = dm.decode_mm_triton
+    monkeypatch.setattr(dm, "decode_mm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = dm._decode_mm_cuda(x2, leaves, text, bias, layout)
+    assert calls == [] and torch.equal(got, want) and not torch.equal(got, first)
+    # the grouped op (its tuner measures on CUDA only: a config is given here)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: pm.PackedGemv(32, 128, 2, 4))
+    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40))])
+    flat = [t for m in members for t in m]
+    dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
+    monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: pytest.fail("not replayed"))
+    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
+    for g, m, t in zip(got, members, texts):
+        assert torch.equal(g, real(x2, m, t, None, pm.PackedGemv(32, 128, 2, 4), layout=layout))
 
 
 # ----------------------------------------------------------------------------- GPU: replays compute the same

@@ -117,11 +117,14 @@ _REPLAYS = LeafCache()  # (programs, layout, activation) per leaf set -> the gro
 
 def _decode_mm_group_cuda(x, leaves, programs, layout):
     """Calls after the first with the same leaves and activation layout replay its grouped launch
-    (``replay``); members run one by one replay at ``decode_mm``'s level."""
+    (``replay``; None from it: this call's outputs do not fit the recorded launch, see ``GemvGroupReplay``);
+    members run one by one replay at ``decode_mm``'s level."""
     key = (tuple(programs), layout, *replay.x_key(x))
     rep = _REPLAYS.get(key, leaves)
     if rep is not None:
-        return rep(x)
+        outs = rep(x)
+        if outs is not None:
+            return outs
     members = split_leaves(leaves, programs)
     cfg = tuned_choice(x, members, programs, layout)
     if cfg != SEPARATE:

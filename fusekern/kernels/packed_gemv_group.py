@@ -165,17 +165,23 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
 
 class GemvGroupReplay:
     """``gemv_group``'s launch replayed for a new activation: fresh outputs (their offsets from the first
-    one are arguments) and fresh split-K partials per call; leaves and counters are the recorded ones."""
+    one are arguments) and fresh split-K partials per call; leaves and counters are the recorded ones.
+    Returns None where the new outputs lie 2**31 elements or more apart and the recorded launch took
+    32-bit offsets (the JIT types an unspecialized int by its value: the caller's path compiles the 64-bit
+    variant)."""
 
     def __init__(self, launch, M: int, Ns: list[int], dtype: torch.dtype, split_k: int):
         self.launch, self.M, self.Ns, self.dtype, self.split_k = launch, M, list(Ns), dtype, split_k
         self.total = split_k * M * sum(Ns)
         self.slots = launch.slots("x_ptr", "out_ptr", "DO1", "DO2", "ws_ptr", *(() if split_k > 1 else ("cnt_ptr",)))
+        self.narrow = all(_fits_i32(launch.args[i]) for i in self.slots[2:4])
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         outs = [torch.empty((self.M, n), device=x.device, dtype=self.dtype) for n in self.Ns]
         base, es = outs[0].data_ptr(), outs[0].element_size()
         d = [(o.data_ptr() - base) // es for o in outs[1:]]
+        if self.narrow and not all(_fits_i32(v) for v in d):
+            return None
         vals = (x, outs[0], d[0], d[-1])  # (two members: the second offset repeats the first)
         if self.split_k > 1:
             vals += (torch.empty(self.total, device=x.device, dtype=torch.float32),)
@@ -217,3 +223,7 @@ def aot_builds():
                                       f"[1x({'+'.join(map(str, Ns))})x{K}]", packed_gemv_group_kernel, args, ce,
                                       cfg.num_warps, cfg.num_stages))
     return builds
+
+
+def _fits_i32(v: int) -> bool:
+    return -2**31 <= v < 2**31

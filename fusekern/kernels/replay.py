@@ -49,6 +49,8 @@ class Launch:
 
     def __init__(self, jit_fn, grid, args: tuple, kwargs: dict):
         self.kernel = jit_fn[grid](*args, **kwargs)
+        if not self.replayable:  # (the interpreter's function has no compiled kernel and no params)
+            return
         params = jit_fn.params
         values = list(args) + [kwargs[p.name] if p.name in kwargs else p.default for p in params[len(args):]]
         self.args = [_frozen(v) for v in values]
