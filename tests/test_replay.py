@@ -543,33 +543,29 @@ def test_gpu_replay_with_a_torch_tail(fmt, K, N, M, cfg, with_bias):
 
 @pytest.mark.gpu
 def test_gpu_ops_replay_after_the_first_call():
-    """Through the registered ops: the second call with the same leaves replays (the op keeps the record)
-    and returns the first call's kernel's result for the new rows."""
+    """Through the registered ops: the first call records (the op keeps the record), the second replays
+    and returns the chosen kernel's result for the new rows; the grouped op likewise where its tuner chose
+    one launch (else each member's own op replays)."""
     K, Ns = 4096, [1024, 1024]
     x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
-    from fusekern.testing.decode_cones import decode_program
-    from fusekern.testing.decode_zoo import BY_NAME
-
-    case = BY_NAME["int4_k_stack"]
-    texts, members = [], []
-    for seed, n in enumerate(Ns):
-        torch.manual_seed(seed)
-        text, leaves, _ = decode_program(case.fn, x.cpu(), *[w.to(torch.bfloat16) if w.is_floating_point() else w
-                                                              for w in case.make(K, n, 128, "cpu")])
-        texts.append(text)
-        members.append([t.to(DEVICE) for t in leaves])
-    layout = member("int4_k_stack", K, Ns[0], x, 0)[1].to_text()
-    first = dm.decode_mm(x, members[0], texts[0], None, layout)
+    made = [_program("int4_k_stack", K, n, x, seed) for seed, n in enumerate(Ns)]
+    texts, members, layout = [m[0] for m in made], [m[1] for m in made], made[0][2]
+    dm.decode_mm(x, members[0], texts[0], None, layout)
     assert dm._REPLAYS.get((texts[0], layout, False, *replay.x_key(x)), members[0]) is not None
     x2 = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
     got = dm.decode_mm(x2, members[0], texts[0], None, layout)
     cfg = dm.tuned_config(x2, members[0], texts[0], None, 1, 1, layout)
     assert torch.equal(got, dm.decode_mm_triton(x2, members[0], texts[0], None, cfg, layout=layout))
-    assert first.shape == got.shape
     flat = [t for m in members for t in m]
-    outs = dmg.decode_mm_group(x, flat, texts, layout)
+    dmg.decode_mm_group(x, flat, texts, layout)
+    choice = dmg.tuned_choice(x, members, texts, layout)  # (cached by the call above)
+    recorded = dmg._REPLAYS.get((tuple(texts), layout, *replay.x_key(x)), flat)
     outs2 = dmg.decode_mm_group(x2, flat, texts, layout)
-    for o, m, t in zip(outs2, members, texts):
-        assert torch.equal(o, dm.decode_mm(x2, m, t, None, layout)) or \
-            rel_err(o.float(), dm.decode_mm(x2, m, t, None, layout).float()) < 4e-3  # (grouped: its own config)
-    assert len(outs) == 2
+    if choice == dmg.SEPARATE:
+        assert recorded is None
+        want = [dm.decode_mm(x2, m, t, None, layout) for m, t in zip(members, texts)]
+    else:
+        assert recorded is not None
+        lay = dmg.PackedLayout.from_text(layout)
+        want = pg.gemv_group(x2, members, lay, K, Ns, choice)
+    assert len(outs2) == 2 and all(torch.equal(o, w) for o, w in zip(outs2, want))
