@@ -900,14 +900,6 @@ torch.library.define(
 _REPLAYS = LeafCache()  # (program, layout, bias given, activation) per leaf set -> the call's replay
 
 
-def _recorder(key, tensors):
-    """Where a first call's replay is kept: not while a CUDA graph is captured (the config may be the
-    untuned fallback then, see ``tuned_config``)."""
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    return lambda rep: _REPLAYS.put(key, tensors, rep)
-
-
 def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path.
     Calls after the first with the same leaves, bias and activation layout replay its launch (``replay``)."""
@@ -918,7 +910,7 @@ def _decode_mm_cuda(x, leaves, program, bias, layout=""):
         return rep(x, bias)
     prog = DecodeProgram.from_text(program)
     if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):
-        return decode_mm_triton(x, leaves, program, bias, layout=layout, record=_recorder(key, tensors))
+        return decode_mm_triton(x, leaves, program, bias, layout=layout, record=replay.recorder(_REPLAYS, key, tensors))
     return _decode_mm_cpu(x, leaves, program, bias)
 
 

@@ -131,10 +131,8 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         progs = [DecodeProgram.from_text(t) for t in programs]
         for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
             dm._check_args(x, m, p, None, text)
-        record = None if torch.cuda.is_current_stream_capturing() else \
-            (lambda r: _REPLAYS.put(key, leaves, r))  # (capturing: the config may be the untuned fallback)
         outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg,
-                             record=record)
+                             record=replay.recorder(_REPLAYS, key, leaves))
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)

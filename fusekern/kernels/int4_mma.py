@@ -377,10 +377,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
         rec)
     if rec and launch.replayable:
-        split = cfg.SPLIT_K > 1
-        record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if bias is not None else {"bias_ptr": 0}),
-                                      **({"ws_ptr": 1} if split else {"ws_ptr": 0, "cnt_ptr": 0})},
-                             [((M, N), x.dtype)] + ([((cfg.SPLIT_K, M, N), torch.float32)] if split else [])))
+        record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
 
 

@@ -769,10 +769,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
-        split = cfg.SPLIT_K > 1
-        record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if has_bias else {"bias_ptr": replay.X}),
-                                      **({"ws_ptr": 1} if split else {"ws_ptr": 0, "cnt_ptr": 0})},
-                             [((M, N), x.dtype)] + ([((cfg.SPLIT_K, M, N), torch.float32)] if split else [])))
+        record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if has_bias else replay.X))
     return out
 
 
@@ -865,7 +862,8 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
     """Run one config (GEMV, tensor-core tile, the register-decoded int4 tensor-core kernel, or decode +
     cuBLAS). A bias other than a contiguous [N] vector is added after the kernel, in fp32. workspace: the
     ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN). record:
-    called with a replay of the whole call where one launch is all of it (``replay``; GEMV and int4_mma)."""
+    called with a ``replay.Replay`` of the whole call (GEMV along K, tensor-core tile, int4_mma, decode +
+    cuBLAS), not with a workspace given or a bias added after the kernel."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
         return (packed_mm(x, leaves, lay, K, N, cfg, workspace=workspace).float() + bias.float()).to(x.dtype)
     if isinstance(cfg, PackedGemv):

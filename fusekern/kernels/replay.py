@@ -99,6 +99,24 @@ class Replay:
         return bufs[0] if self.tail is None else self.tail(x, bufs, bias)
 
 
+def split_k_replay(launch: Launch, M: int, N: int, dtype: torch.dtype, split_k: int, bias_placeholder) -> Replay:
+    """The replay of a kernel that writes one fresh ``[M, N]`` output and, split over K, sums fresh fp32
+    partials ``[split_k, M, N]`` itself (with the recorded counters); unsplit, its partials' and counters'
+    pointers are the output's. ``bias_placeholder``: what the bias pointer takes without a bias (``X`` or
+    buffer 0, the output), None where there is a bias (its recorded address)."""
+    slots = {"x_ptr": X, "out_ptr": 0, **({} if bias_placeholder is None else {"bias_ptr": bias_placeholder}),
+             **({"ws_ptr": 1} if split_k > 1 else {"ws_ptr": 0, "cnt_ptr": 0})}
+    return Replay(launch, slots, [((M, N), dtype)] + ([((split_k, M, N), torch.float32)] if split_k > 1 else []))
+
+
+def recorder(cache, key, tensors):
+    """Where an op's first call keeps its replay (``cache.put(key, tensors, replay)``), or None while a CUDA
+    graph is captured: the tuner cannot measure then, so the config may be an untuned fallback."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return lambda rep: cache.put(key, tensors, rep)
+
+
 def _stream(device: int):
     """The device's current stream, as Triton's launcher takes it."""
     return triton.runtime.driver.active.get_current_stream(device)
