@@ -1,7 +1,7 @@
 """Where the fused decode step's GPU time goes: torch.profiler over the demo's decoder layers (B = 1),
 compiled with backend="fusekern", and the config the decode GEMM's tuner chose per shape.
 
-    python benchmarks/profile_e2e_decode.py [--batch 1] [--backend fusekern]
+    python benchmarks/profile_e2e_decode.py [--batch 1] [--backend fusekern] [--rows 18]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--backend", default="fusekern")
+    ap.add_argument("--rows", type=int, default=18)
     args = ap.parse_args()
     cfg = LLAMA3_8B_SHAPED
     torch.manual_seed(0)
@@ -38,7 +39,7 @@ def main():
             for _ in range(5):
                 f(x, pos)
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     for (text, layout, bucket, batch, dev), c in dm._tuned.items():
         prog = dm.DecodeProgram.from_text(text)
         print(f"tuned K={prog.K} N={prog.N} M<={bucket} layout={'yes' if layout else 'no'}: {c}")

@@ -4,7 +4,7 @@ Formats: GPTQ (int32 words, packed zeros), two codes per byte with 8-bit zeros (
 symmetric (q - 8). CPU: the kernel runs in the Triton interpreter (plain operations in place of its inline
 PTX) on small shapes with column tails, every split of K, zero offsets and 8-bit zeros at their extremes,
 biases, strided activations and NaN-poisoned workspaces; the dispatcher offers it only for layouts it
-reads exactly, groups of 128 and bf16 rows up to 16, and bad input gets a clear error. GPU: the same
+reads exactly, groups of 128 and bf16 rows up to 64 (x padded to 16, 32 or 64), and bad input gets a clear error. GPU: the same
 checks at issue 4's sizes.
 """
 import dataclasses
@@ -47,7 +47,7 @@ def run(x, leaves, lay, K, N, cfg, bias=None):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 33, 64])  # x padded to 16, 32, 64 rows
 @pytest.mark.parametrize("K,N,split_k,block_n", [(256, 136, 2, 128), (384, 64, 3, 64), (256, 128, 1, 64)],
                          ids=["tail", "three_splits", "no_split"])
 def test_matches_reference(K, N, split_k, block_n, M, fmt):
@@ -149,8 +149,9 @@ def test_offered_only_where_it_computes_the_program():
                                 if isinstance(c, im.Int4Mma)]
     assert [(c.SPLIT_K, c.tma, c.scale_first) for c in mma(1, lay)] == [
         (8, False, False), (4, False, False), (8, True, False), (4, True, False), (8, True, True), (4, True, True)]
-    assert mma(16, lay, x_dtype=torch.bfloat16)
-    assert not mma(32, lay)                                 # more rows than the MMA's 16
+    assert mma(16, lay, x_dtype=torch.bfloat16) and all(c.BLOCK_N == 128 for c in mma(16, lay))
+    assert {c.BLOCK_N for c in mma(64, lay)} == {128, 64}  # (64 padded rows: the accumulator doubles)
+    assert not mma(65, lay) and not mma(128, lay)           # more rows than x is padded to
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
     assert not im.layout_fits(lay64) and not mma(1, lay64)  # groups of 64: a tile holds two
     assert not im.layout_fits(dataclasses.replace(lay, zero_value=0.5))  # not exact in bf16
@@ -180,8 +181,8 @@ def test_bad_input_gets_a_clear_error():
     cfg = im.Int4Mma(64, 2, 4)
     with pytest.raises(ValueError, match="bf16"):
         im.int4_mma(x.half(), leaves, lay, K, N, cfg)
-    with pytest.raises(ValueError, match="M <= 16"):
-        im.int4_mma(torch.randn(17, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
+    with pytest.raises(ValueError, match="M <= 64"):
+        im.int4_mma(torch.randn(65, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
     with pytest.raises(ValueError, match="do not fit"):
         im.int4_mma(x, leaves, lay, K, N, im.Int4Mma(64, 3, 4))  # 3 splits of 2 K tiles
     strided = list(leaves)
@@ -219,6 +220,21 @@ def test_register_cap_matches_reference(fmt, tma):
     assert got.shape == (M, N) and not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "int4_k_stack"])
+@pytest.mark.parametrize("M", [20, 64])
+def test_padded_rows_through_tma_and_scale_first(fmt, M):
+    """More than 16 rows (x padded to 32 or 64) through the TMA words and the scale-first variant, with a
+    column tail and a bias, against a NaN-poisoned workspace."""
+    K, N = 512, 136
+    _, lay, leaves, x = setup(K, N, M, seed=M, fmt=fmt)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE)
+    want = pm.packed_mm_reference(x, leaves, lay, K, N, bias)
+    for cfg in (im.Int4Mma(128, 2, 4, tma=True, num_stages=3), im.Int4Mma(64, 4, 4, tma=True, num_stages=3,
+                                                                          scale_first=True)):
+        got = run(x, leaves, lay, K, N, cfg, bias)
+        assert got.shape == (M, N) and not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL, cfg
+
+
 def test_misaligned_bytes_are_refused():
     K, N = 256, 64
     _, lay, leaves, x = setup(K, N, 2, fmt="int4_k_stack")
@@ -233,7 +249,7 @@ def test_misaligned_bytes_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 24, 64])
 @pytest.mark.parametrize("K,N", [(8192, 8192), (4096, 4104), (14336, 4096)])
 def test_gpu_sizes(K, N, M, fmt):
     prog, lay, leaves, x = setup(K, N, M, seed=K + N, fmt=fmt)

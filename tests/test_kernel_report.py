@@ -118,14 +118,16 @@ def test_sm_count_is_read_once_per_device_under_threads(monkeypatch):
 
 
 def test_int4_mma_tma_fits_a_128_register_cap_without_spilling():
-    """The lead issue 4's counters point to (README): capped at 128 registers, int4_mma's TMA variants still
-    compile for sm_90a with no local memory, so 4 programs can share an SM."""
+    """The lead issue 4's counters point to (README): capped at 128 registers, int4_mma's TMA variants for up
+    to 16 rows still compile for sm_90a with no local memory, so 4 programs can share an SM. (x padded to
+    64 rows needs 194-254 registers: those builds are not offered capped.)"""
     script = (
         "import dataclasses\n"
         "from fusekern.kernels.catalog import all_builds\n"
         "from fusekern.kernels.aot import resources\n"
         "for b in all_builds():\n"
-        "    if b.kernel == 'int4_mma' and ' tma ' in b.config and 'scale_first' not in b.config:\n"
+        "    if b.kernel == 'int4_mma' and ' tma ' in b.config and 'scale_first' not in b.config \\\n"
+        "            and 'BLOCK_M' not in b.config:\n"
         "        r = resources(dataclasses.replace(b, maxnreg=128).compile())\n"
         "        print(b.config, r.registers, r.stack, r.spill_stores, r.spill_loads)\n")
     lines = run_python(["-c", script]).stdout.strip().splitlines()

@@ -51,7 +51,7 @@ from fusekern.patterns.decode.layout import PackedLayout
 
 GROUP = 128  # the K tile: one scale / zero row per tile
 _GROUP = tl.constexpr(GROUP)  # (the kernels' copy: a jit function reads constexpr globals only)
-M_MAX = 16   # x's rows are padded to the MMA's 16
+M_MAX = 64   # x's rows are padded to the MMA's N side: 16, 32 or 64 (``block_m``)
 _SEQ8 = tuple(range(8))
 ZERO_MODES = {"": 0, "const": 0, "packed": 1, "int": 2}  # constant only / GPTQ's nibbles / 8-bit integers
 TMA_KN, TMA_NK = 1, 2  # the kernel's TMA modes: words [K/8, N] (GPTQ) or [N, K/8] (two codes per byte); 0: no TMA
@@ -99,6 +99,11 @@ def layout_fits(lay: PackedLayout) -> bool:
     return (codes and zero and lay.bits == 4 and lay.pack_axis == "K" and lay.value == "uint" and lay.glob < 0
             and lay.scale >= 0 and lay.scale_dims in dims and lay.scale_enc == "float"
             and lay.group_k == GROUP and lay.group_n == 1)
+
+
+def block_m(M: int) -> int:
+    """x's rows padded to the MMA's N side (a power of two, at least 16)."""
+    return max(16, 1 << (M - 1).bit_length())
 
 
 def split_k_for(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
@@ -162,14 +167,14 @@ def _w_tile(words, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, k0, offs_m, mmask, K: tl.constexpr):
-    """x[:, k0:k0 + 128] ([16, 128], rows >= M read 0) as the [128, 16] B tile in ``_w_tile``'s slot order
-    (real k = 32 c + 8 t + 4 h + 2 p1 + p0). Rows K apart: immediate offsets."""
+def _x_tile(x_ptr, k0, offs_m, mmask, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x[:, k0:k0 + 128] ([BLOCK_M, 128], rows >= M read 0) as the [128, BLOCK_M] B tile in ``_w_tile``'s slot
+    order (real k = 32 c + 8 t + 4 h + 2 p1 + p0). Rows K apart: immediate offsets."""
     xn = tl.load(x_ptr + offs_m[:, None] * K + k0 + tl.arange(0, 128)[None, :], mask=mmask[:, None],
                  other=0.0)
-    xr = tl.reshape(xn, (16, 4, 4, 2, 2, 2))  # m, c, t, h, p1, p0
+    xr = tl.reshape(xn, (BLOCK_M, 4, 4, 2, 2, 2))  # m, c, t, h, p1, p0
     xr = tl.permute(xr, (1, 4, 5, 2, 3, 0))  # c, p1, p0, t, h, m
-    return tl.reshape(xr, (128, 16))
+    return tl.reshape(xr, (128, BLOCK_M))
 
 
 @triton.jit
@@ -218,13 +223,13 @@ def _minus_zero(wt, z, ZMODE: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
         return wt - ((z + C) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile serves every M <= 16
+@triton.jit(do_not_specialize=["M"])  # one compile serves every M of a BLOCK_M
 def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, M,
                     N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
                     ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                     SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr = 0,
-                    SCALE_FIRST: tl.constexpr = False):
+                    SCALE_FIRST: tl.constexpr = False, BLOCK_M: tl.constexpr = 16):
     """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
     each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape.
     TMA: the words come through ``q_desc`` (TMA_KN: GPTQ's [K/8, N]; TMA_NK: [N, K/8]), which Triton pipelines
@@ -239,11 +244,11 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         ln = offs_n
     else:
         ln = tl.minimum(offs_n, N - 1)  # columns past N read column N - 1 (in bounds) and are not stored
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     TILES: tl.constexpr = K // _GROUP
     PER: tl.constexpr = TILES // SPLIT_K  # SPLIT_K divides TILES (split_k_for)
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wp = q_ptr + ln[:, None] * SQN + tl.arange(0, BKW)[None, :] * SQK  # the tile's words, tile 0
     if TMA != 0:  # the next tile's scale and zero are loaded one tile ahead (the words are pipelined)
         s_next = tl.load(s_ptr + pid_k * PER * SSK + ln * SSN)
@@ -264,7 +269,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
             z = _zero_of(z_ptr, t, ln, ZMODE, SZK, SZN)
         wt = _minus_zero(_w_tile(words, BLOCK_N, ASM), z, ZMODE, C, ASM)
-        xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K)
+        xt = _x_tile(x_ptr, t * _GROUP, offs_m, mmask, K, BLOCK_M)
         if SCALE_FIRST:  # (q - z) * s rounded to bf16 as eager's dequantization does, then accumulated
             if ASM:
                 acc = tl.dot(wt * s.to(tl.bfloat16)[:, None], xt, acc)
@@ -272,7 +277,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 acc = tl.dot(_bf16_rounded(wt * s[:, None]), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             if ASM:
-                d = tl.dot(wt, xt)  # fp32 [BLOCK_N, 16]
+                d = tl.dot(wt, xt)  # fp32 [BLOCK_N, BLOCK_M]
             else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
                 d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
             acc += d * s[:, None]
@@ -284,7 +289,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         tl.debug_barrier()  # every thread's partial is written before the count (release below)
         cnt = cnt_ptr + pid_n
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tot = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for sk in range(SPLIT_K):  # split order: deterministic; L2 reads (.cg): written by other SMs
                 tot += tl.load(ws_ptr + (sk * M + offs_m[None, :]) * N + offs_n[:, None], mask=omask, other=0.0,
                                cache_modifier=".cg")
@@ -355,7 +360,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     called with a ``replay.Replay`` of this call (a contiguous x, no workspace given)."""
     rec = record is not None and workspace is None and x.is_contiguous()
     check(x, leaves, lay, K, N, cfg, bias)
-    x = x.contiguous()  # (the kernel reads rows K apart; a copy of at most 16 rows where they are not)
+    x = x.contiguous()  # (the kernel reads rows K apart; a copy of at most 64 rows where they are not)
     M = x.shape[0]
     tiles_n = cdiv(N, cfg.BLOCK_N)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -372,7 +377,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     tma, desc = _tma_words(q, lay, cfg) if cfg.tma else (0, None)
     launch = replay.launch(int4_mma_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M), dict(
-        **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K,
+        **_constexprs(lay, K, N), HAS_BIAS=bias is not None, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=block_m(M),
         ASM=not _INTERPRET, TMA=tma, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
         rec)
@@ -421,7 +426,8 @@ def _constexprs(lay: PackedLayout, K: int, N: int) -> dict:
 
 def aot_builds():
     """The configs the dispatcher offers at N = K = 8192 (``decode_mm._packed_candidates``) for GPTQ and
-    for two codes per byte with 8-bit zeros (the demo's W4A16)."""
+    for two codes per byte with 8-bit zeros (the demo's W4A16), at M = 1 and 16, and at 64 rows (one split
+    per variant: the split does not change the code)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS
@@ -430,16 +436,22 @@ def aot_builds():
     builds = []
     for name in ("gptq", "int4_k_stack"):
         lay, (_, st, zt) = REPORT_LAYOUTS[name]
-        cfgs = dict.fromkeys(c for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
-                             if isinstance(c, Int4Mma))
-        for cfg in cfgs:
+        cfgs = {(c, 16): None for M in (1, 16) for c in dm._packed_candidates(M, N, K, 132, lay)
+                if isinstance(c, Int4Mma)}
+        wide = {}
+        for c in dm._packed_candidates(64, N, K, 132, lay):
+            if isinstance(c, Int4Mma):
+                wide.setdefault((c.BLOCK_N, c.tma, c.scale_first), c)
+        cfgs.update({(c, 64): None for c in wide.values()})
+        for cfg, bm in cfgs:
             tma, block = _tma_tile(lay, cfg.BLOCK_N) if cfg.tma else (0, None)
             args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                         ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
                         q_desc=f"tensordesc<i32{block}>" if tma else None)
             ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True,
-                      TMA=tma, SCALE_FIRST=cfg.scale_first and st == "*bf16")
-            builds.append(TritonBuild("int4_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
+                      TMA=tma, SCALE_FIRST=cfg.scale_first and st == "*bf16", BLOCK_M=bm)
+            rows = f" BLOCK_M={bm}" if bm != 16 else ""
+            builds.append(TritonBuild("int4_mma", f"{name}{rows} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
                                       f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''}"
                                       f"{' scale_first' if cfg.scale_first else ''} [{N}x{K}]",
                                       int4_mma_kernel, args, ce, cfg.num_warps, cfg.num_stages))
