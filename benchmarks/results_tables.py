@@ -213,7 +213,7 @@ def int4_mma_tma_sweep(rows: list[dict]) -> list[str]:
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
-          "e2e_decode": e2e_decode}
+          "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma}
 
 
 def render(name: str, results: str) -> list[str]:

@@ -114,9 +114,9 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                        x_dtype: torch.dtype | None = None) -> list:
     """The hand-tuned kernels' configs for a problem size (``fusekern.kernels.packed_mm``): GEMV tiles
     for a few rows, swap-AB tensor-core tiles up to 64 rows, the register-decoded int4 tensor-core kernel
-    (int4 along K) up to 16 rows of bf16 (never first: ``select_config``, used where nothing can be timed and x's dtype is
-    not known, keeps the kernels of every layout), and their decode + cuBLAS at any M. x_dtype: None where
-    unknown."""
+    (int4 along K) up to 64 rows of bf16 (never first: ``select_config``, used where nothing can be timed
+    and x's dtype is not known, keeps the kernels of every layout), and their decode + cuBLAS at any M.
+    x_dtype: None where unknown."""
     out = []
     if M <= PACKED_GEMV_M_MAX:
         if lay.pack_axis == "N":

@@ -1,4 +1,4 @@
-"""int4 weights packed along K times a few bf16 rows (M <= 16) on Hopper tensor cores, decoded in registers.
+"""int4 weights packed along K times a few bf16 rows (M <= 64) on Hopper tensor cores, decoded in registers.
 
 ``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = (q[k, n] - z - c) * s[k // 128, n]``, the codes q read as
 they are from either packing of 8 consecutive k per 32-bit word (k = 8 w + i in bits [4i, 4i + 4)):
@@ -10,8 +10,8 @@ float scales per group of 128 and column, either way round.
 
 Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slower at M = 1:
 - Swap AB: ``acc[BLOCK_N, 16] += dot(W^T tile [BLOCK_N, 128], x^T tile [128, 16])``: N fills the MMA's
-  64-row side, x's rows are padded to 16 by masking. One K tile is one group of 128, so each tile's product
-  is scaled once per column (``acc += d * s``), never per value.
+  64-row side, x's rows are padded to 16 by masking (to 32 or 64 for more rows: ``block_m``). One K tile is
+  one group of 128, so each tile's product is scaled once per column (``acc += d * s``), never per value.
 - Two values per instruction: ``lop3(w >> 4i, 0x000F000F, 0x43004300)`` is the bf16 pair
   (128 + q_i, 128 + q_{i+4}) (exact), and one packed bf16 subtraction of 128 + z + c leaves q - z - c,
   a small integer, exact in bf16 (3 SHF + 4 LOP3 + 4 HADD2 per word of 8 values; 8-bit integer zeros
