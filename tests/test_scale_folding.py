@@ -399,7 +399,15 @@ def test_inductor_sees_the_traced_launch_write_only_its_output():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", _WRITES_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _WRITES_PROBE], capture_output=True, text=True, env=env,
+                              timeout=300)
+        # In 2 of 4 full-suite runs on a 2-core CI box (never alone or with its file) the child died
+        # with "Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so" (cause not found; memory was
+        # below 2 GB): a loader failure of that machine, not an answer from inductor's analysis. Such a
+        # child is run once more; any other failure, or a second one, fails the test.
+        if proc.returncode == 0 or "oneMKL FATAL ERROR" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "['out_ptr']", proc.stdout + proc.stderr[-3000:]
 
