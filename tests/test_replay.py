@@ -341,6 +341,7 @@ CPU_CASES = [("gemv", "int4_k_stack", 256, 72, 1, pm.PackedGemv(32, 128, 2, 4), 
              ("int4_mma", "gptq", 256, 136, 3, im.Int4Mma(64, 2, 4), True, torch.bfloat16),
              ("int4_mma", "int4_k_stack", 256, 128, 1, im.Int4Mma(64, 1, 4, tma=True, num_stages=2), False,
               torch.bfloat16),
+             ("int4_mma", "int4_k_stack", 256, 72, 40, im.Int4Mma(64, 2, 4), True, torch.bfloat16),  # 64 rows
              ("dot", "int4_k_stack", 256, 72, 5, pm.PackedDot(16, 32, 64, 2, 4), True, torch.float16),
              ("dequant", "int4_k_stack", 256, 72, 5, pm.PackedDequant(), True, torch.bfloat16),
              ("generated", "hqq", 256, 72, 5, dm.Config(16, 32, 64, 2, 1, 4, 2), True, torch.float16),

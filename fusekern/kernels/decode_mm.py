@@ -148,7 +148,7 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # (scale_first, for bf16 scales: 128 registers against 167, 2-3% faster on GPTQ and -8% to +3% on
         # two codes per byte in the same sweep; with other scale dtypes the launcher runs it as the plain
         # TMA config, so that one is timed twice)
-        # More than 16 rows pad x to 32 or 64 (``im.block_m``): the accumulator grows with it (226-254
+        # More than 16 rows pad x to 32 or 64 (``im.block_m``): the accumulator grows with it (168-254
         # registers for 128 columns at 64 rows, sm_90a), so 64-column tiles are offered there too.
         widths = (128,) if M <= 16 else (128, 64)
         out += dict.fromkeys(im.Int4Mma(bn, im.split_k_for(N, K, bn, sms, per_sm), 4, tma=tma,

@@ -426,8 +426,8 @@ def _constexprs(lay: PackedLayout, K: int, N: int) -> dict:
 
 def aot_builds():
     """The configs the dispatcher offers at N = K = 8192 (``decode_mm._packed_candidates``) for GPTQ and
-    for two codes per byte with 8-bit zeros (the demo's W4A16), at M = 1 and 16, and at 64 rows (one split
-    per variant: the split does not change the code)."""
+    for two codes per byte with 8-bit zeros (the demo's W4A16), at M = 1 and 16, and x padded to 32 and 64
+    rows (one split per variant: the split does not change the code)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS
@@ -442,7 +442,7 @@ def aot_builds():
         for c in dm._packed_candidates(64, N, K, 132, lay):
             if isinstance(c, Int4Mma):
                 wide.setdefault((c.BLOCK_N, c.tma, c.scale_first), c)
-        cfgs.update({(c, 64): None for c in wide.values()})
+        cfgs.update({(c, bm): None for bm in (32, 64) for c in wide.values()})
         for cfg, bm in cfgs:
             tma, block = _tma_tile(lay, cfg.BLOCK_N) if cfg.tma else (0, None)
             args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
