@@ -4,8 +4,8 @@ Formats: GPTQ (int32 words, packed zeros), two codes per byte with 8-bit zeros (
 symmetric (q - 8). CPU: the kernel runs in the Triton interpreter (plain operations in place of its inline
 PTX) on small shapes with column tails, every split of K, zero offsets and 8-bit zeros at their extremes,
 biases, strided activations and NaN-poisoned workspaces; the dispatcher offers it only for layouts it
-reads exactly, groups of 128 and bf16 rows up to 64 (x padded to 16, 32 or 64), and bad input gets a clear error. GPU: the same
-checks at issue 4's sizes.
+reads exactly, groups of 128 and bf16 rows up to 64 (x padded to 16, 32 or 64), and bad input gets a clear
+error. GPU: the same checks at issue 4's sizes.
 """
 import dataclasses
 
@@ -150,7 +150,7 @@ def test_offered_only_where_it_computes_the_program():
     assert [(c.SPLIT_K, c.tma, c.scale_first) for c in mma(1, lay)] == [
         (8, False, False), (4, False, False), (8, True, False), (4, True, False), (8, True, True), (4, True, True)]
     assert mma(16, lay, x_dtype=torch.bfloat16) and all(c.BLOCK_N == 128 for c in mma(16, lay))
-    assert {c.BLOCK_N for c in mma(64, lay)} == {128, 64}  # (64 padded rows: the accumulator doubles)
+    assert {c.BLOCK_N for c in mma(64, lay)} == {128, 64}  # (64 padded rows: a 4x accumulator)
     assert not mma(65, lay) and not mma(128, lay)           # more rows than x is padded to
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
     assert not im.layout_fits(lay64) and not mma(1, lay64)  # groups of 64: a tile holds two

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
@@ -102,8 +102,9 @@ def layout_fits(lay: PackedLayout) -> bool:
 
 
 def block_m(M: int) -> int:
-    """x's rows padded to the MMA's N side (a power of two, at least 16)."""
-    return max(16, 1 << (M - 1).bit_length())
+    """x's rows padded to the MMA's N side (a power of two, at least 16): the dispatcher's M bucket
+    (``next_power_of_2``), so a config tuned for a bucket runs with the padding it was timed at."""
+    return max(16, next_power_of_2(M))
 
 
 def split_k_for(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
