@@ -56,9 +56,13 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_sm90 needs TRITON_INTERPRET unset (kernels were decorated for the interpreter)")
     signature, constants, attrs = {}, dict(constexprs), {}
-    for index, name in enumerate(kernel.arg_names):
+    for index, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if name in constexprs:
             signature[name] = "constexpr"
+            continue
+        if param.is_constexpr and name in args:  # a compile-time parameter given with the launch values
+            signature[name] = "constexpr"
+            constants[name] = args[name]
             continue
         if name not in args:
             raise ValueError(f"compile_sm90: no value for argument {name!r} of {kernel.__name__}")

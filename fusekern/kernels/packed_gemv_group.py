@@ -43,7 +43,9 @@ def _pick(in1, in2, v0, v1, v2):
 def packed_gemv_group_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
-    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn,
+    stride_xm, stride_xk,
+    sqk: tl.constexpr, sqn: tl.constexpr, ssk: tl.constexpr, ssn: tl.constexpr, szk: tl.constexpr,
+    szn: tl.constexpr,  # compile-time constants, as in packed_gemv_kernel
     T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1, DW2,
     BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,

@@ -118,6 +118,19 @@ def _zero_of(z_ptr, kz, n, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, G
 
 
 @triton.jit
+def _zero_loaded(zp, n, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, GN: tl.constexpr, ZPW: tl.constexpr,
+                 ZORDER: tl.constexpr, BITS: tl.constexpr):
+    """``_zero_of`` with the pointers to each column's zero (or zero word) formed by the caller."""
+    if ZERO == 1:
+        return tl.zeros(n.shape, dtype=tl.float32) + ZERO_VALUE
+    elif ZERO == 4:
+        z = _field(tl.load(zp), ((ZORDER >> (4 * ((n // GN) % ZPW))) & 15) * BITS, BITS)
+        return z.to(tl.float32) + ZERO_VALUE
+    else:
+        return tl.load(zp).to(tl.float32) + ZERO_VALUE
+
+
+@triton.jit
 def _zero_sub(v, z_ptr, kk, nn, mask, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, VALUE: tl.constexpr,
               GK: tl.constexpr, GN: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr, BITS: tl.constexpr,
               szk, szn):
@@ -409,7 +422,10 @@ def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr, I64: tl.cons
 def packed_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
-    stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
+    stride_xm, stride_xk,
+    # the leaves' strides (elements; the codes' in words) are compile-time constants: see HOIST below
+    sqk: tl.constexpr, sqn: tl.constexpr, ssk: tl.constexpr, ssn: tl.constexpr, szk: tl.constexpr,
+    szn: tl.constexpr, stride_om, stride_on,
     BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -465,9 +481,27 @@ def gemv_program(
     ar = tl.arange(0, BKW)
     if not VEC_K:
         ar = tl.max_contiguous(ar, 1)
+    # Whole tiles, one scale row per tile (HOIST): each leaf's address is a base that the loop advances by
+    # one scalar per tile plus offsets fixed before the loop, in 64 bits: with the strides compile-time
+    # constants, ptxas then folds a thread's offsets into the loads as immediates (sm_90a SASS of the
+    # demo's o projection: 303 instructions per iteration against 337, 56 registers against 96).
+    GROUPS_ALIGN: tl.constexpr = (BLOCK_N % (GN * ZPW) == 0) or ((GN * ZPW) % BLOCK_N == 0)
+    HOIST: tl.constexpr = EVEN and PER_TILE and GROUPS_ALIGN
+    if HOIST:
+        n0 = (pid_n * BLOCK_N).to(tl.int64)
+        ln = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+        q_base = qp + n0 * sqn
+        q_off = ln * sqn + ar[:, None].to(tl.int64) * sqk
+        s_base = s_ptr + (n0 // GN) * ssn
+        s_off = (ln // GN) * ssn
+        z_base = z_ptr + (n0 // (GN * ZPW)) * szn
+        z_off = (ln // (GN * ZPW)) * szn
     for t in range(t0, t1):
         kw = t * BKW + ar
-        words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN, I64)
+        if HOIST:
+            words = tl.load((q_base + tl.cast(t, tl.int64) * (BKW * sqk)) + q_off)
+        else:
+            words = _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN, I64)
         if VALUE != 2 or WORD_I32:
             words = words.to(tl.int32)
         if VALUE == 1:  # signed bytes read as byte + 128: flip every byte's sign bit once per word
@@ -485,13 +519,23 @@ def gemv_program(
             zmask = (kw[:, None] < KW) & nmask
         if EVEN:  # constant-true masks fold away
             zmask = tl.full(zmask.shape, 1, tl.int1)
-        if ZERO != 0:
-            part -= _zero_of(z_ptr, kz, n, zmask, ZERO, ZERO_VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn) \
-                * xsum[:, None]
-        if SCALE != 0:
-            acc += part * _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+        if HOIST:
+            g = tl.cast((t * BLOCK_K) // GK, tl.int64)  # the tile's group row
+            if ZERO != 0:
+                part -= _zero_loaded(z_base + g * szk + z_off, n, ZERO, ZERO_VALUE, GN, ZPW, ZORDER, BITS) \
+                    * xsum[:, None]
+            if SCALE != 0:
+                acc += part * _scale_of(tl.load(s_base + g * ssk + s_off), SCALE)
+            else:
+                acc += part
         else:
-            acc += part
+            if ZERO != 0:
+                part -= _zero_of(z_ptr, kz, n, zmask, ZERO, ZERO_VALUE, GK, GN, ZPW, ZORDER, BITS, szk, szn) \
+                    * xsum[:, None]
+            if SCALE != 0:
+                acc += part * _scale_of(_group_load(s_ptr, kz, n, zmask, GK, GN, ssk, ssn), SCALE)
+            else:
+                acc += part
     out = tl.sum(acc, axis=0)
     if VALUE == 3:
         out = out * E2M1_SCALE
