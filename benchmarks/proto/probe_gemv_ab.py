@@ -1,6 +1,7 @@
 """A/B of two versions of the CUDA-core GEMV (``packed_mm`` and ``packed_gemv_group``) at M = 1.
 
     python benchmarks/proto/probe_gemv_ab.py --old DIR [--csv OUT.csv] [--formats ...] [--shapes ...]
+    python benchmarks/proto/probe_gemv_ab.py --old - --splits 1,2,4,8 [...]   (this version, SPLIT_K swept)
 
 DIR holds the other version's ``packed_mm.py`` and ``packed_gemv_group.py`` (e.g. ``git show
 <sha>:fusekern/kernels/packed_mm.py > DIR/packed_mm.py``); both versions run every GEMV config the
@@ -60,8 +61,11 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--formats", default="int4_k_stack")
     ap.add_argument("--shapes", default="4096x4096,6144x4096,4096+1024+1024x4096,14336+14336x4096,8192x8192")
+    ap.add_argument("--splits", default="",
+                    help="instead of the A/B: this version's GEMV at these SPLIT_K (e.g. 1,2,3,4) for the "
+                         "dispatcher's tile shapes")
     args = ap.parse_args()
-    pm_old, pg_old = load_old(args.old)
+    pm_old, pg_old = load_old(args.old) if args.old != "-" else (None, None)
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
@@ -80,8 +84,14 @@ def main():
             floor = sum(floor_us(lv, n, K, 1) for lv, n in zip(members, Ns))
             cfgs = [c for c in dm._packed_candidates(1, sum(Ns), K, sms, lay)
                     if isinstance(c, pm_new.PackedGemv) and not (len(Ns) > 1 and c.vec_k)]
+            versions_run = (("old", pm_old, pg_old), ("new", pm_new, pg_new))
+            if args.splits:
+                tiles = dict.fromkeys((c.BLOCK_N, c.BLOCK_K, c.num_warps, c.vec_k) for c in cfgs)
+                cfgs = [pm_new.PackedGemv(bn, bk, sk, w, vec_k=vk) for bn, bk, w, vk in tiles
+                        for sk in map(int, args.splits.split(","))]
+                versions_run = (("new", pm_new, pg_new),)
             for cfg in cfgs:
-                for ver, pm, pg in (("old", pm_old, pg_old), ("new", pm_new, pg_new)):
+                for ver, pm, pg in versions_run:
                     c = pm.PackedGemv(cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, vec_k=cfg.vec_k)
                     if len(Ns) == 1:
                         fn = (lambda pm=pm, c=c: pm.gemv(x, members[0], lay, K, Ns[0], c))
