@@ -48,8 +48,19 @@ def cute_host():
                                                         0, 0, BF16),
         "torch.empty alone": lambda: torch.empty(M, N, dtype=BF16, device="cuda"),
     }
+    # the launch itself: the compiled function's own entry (``run_compiled_program``, which re-packs the
+    # slot addresses under a lock) against the marshal's direct call of the executor's entry
+    C.run_supported(a, b, row, col, None, None, BF16, None, None)
+    config, _kernel, marshal, _index, _sms = C._plan(a, b, row, col, None, None, BF16, False)
+    if marshal is not None:
+        out = torch.empty(M, N, dtype=BF16, device="cuda")  # (alive while the launches write it)
+        values = [t.data_ptr() for t in (a, b, out, row, col)] + \
+            [M, N, K, K // 16, K // 16, N * 2 // 16, 1, 1, 1, 1, 1, C._sm_count(a.device),
+             torch.cuda.current_stream().cuda_stream]
+        variants["launch: marshal, direct entry"] = lambda: marshal(values)
+        variants["launch: run_compiled_program"] = lambda: marshal.fn.run_compiled_program(marshal._state()[1])
     for name, f in variants.items():
-        print(f"{name:28s} host {host_us(f, 2000):7.1f} us/call")
+        print(f"{name:32s} host {host_us(f, 2000):7.1f} us/call")
 
 
 def main():
