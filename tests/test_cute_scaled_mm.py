@@ -358,8 +358,9 @@ def test_fast_argument_path_matches_the_dsl_path(block):
             key: kwargs[key] for key in ("row", "col", "bias", "residual") if key in kwargs})
         marshal = csm._MARSHALS[config]
         assert marshal is not None  # the fast path ran
-        # the first launch per thread went through the DSL's run_compiled_program; later ones call the
-        # executor's entry directly: one more launch, into a block the allocator just held NaN in
+        # a config's first launch on a thread goes through the DSL's run_compiled_program (here, unless an
+        # earlier test launched it), later ones call the executor's entry directly: one more launch, into
+        # a block the allocator just held NaN in
         first = out
         poison = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         del poison

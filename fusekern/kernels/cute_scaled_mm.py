@@ -286,8 +286,10 @@ def supports(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, a
     """
     try:
         key = _supports_key(out_dtype, (a, b, row, col, bias, residual, a_block, b_block))
-        if key is not None and key in _SUPPORTED:
-            return _SUPPORTED[key]
+        if key is not None:
+            known = _SUPPORTED.get(key, _UNKNOWN)  # (one lookup: another thread may clear the memo)
+            if known is not _UNKNOWN:
+                return known
         reason = _supports(a, b, row, col, bias, residual, out_dtype, a_block, b_block)
         if key is not None:
             if len(_SUPPORTED) >= 4096:  # (bounded: one entry per argument signature seen)
@@ -299,6 +301,7 @@ def supports(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, a
 
 
 _SUPPORTED: dict = {}  # _supports_key -> the answer: the op asks per call with the same arguments
+_UNKNOWN = object()
 
 
 def _supports_key(out_dtype, tensors):

@@ -485,7 +485,10 @@ def gemv_program(
     # one scalar per tile plus offsets fixed before the loop, in 64 bits: with the strides compile-time
     # constants, ptxas then folds a thread's offsets into the loads as immediates (sm_90a SASS of the
     # demo's o projection: 303 instructions per iteration against 337, 56 registers against 96).
-    GROUPS_ALIGN: tl.constexpr = (BLOCK_N % (GN * ZPW) == 0) or ((GN * ZPW) % BLOCK_N == 0)
+    # (n0 + ln) // G == n0 // G + ln // G for the tile's columns when G divides BLOCK_N or BLOCK_N divides G,
+    # for the scales' G = GN and the packed zeros' G = GN * ZPW alike
+    GROUPS_ALIGN: tl.constexpr = ((BLOCK_N % GN == 0) or (GN % BLOCK_N == 0)) and (
+        (BLOCK_N % (GN * ZPW) == 0) or ((GN * ZPW) % BLOCK_N == 0))
     HOIST: tl.constexpr = EVEN and PER_TILE and GROUPS_ALIGN
     if HOIST:
         n0 = (pid_n * BLOCK_N).to(tl.int64)
@@ -968,6 +971,17 @@ REPORT_LAYOUTS = {
 REPORT_MS = (1, 16)
 
 
+def _contiguous_strides(dims: tuple, rows_k: int, cols_n: int) -> tuple[int, int]:
+    """(k, n) strides of a contiguous scale or zero leaf with these dims ([rows_k, cols_n] for ("k", "n")),
+    as a launch derives them: the GEMV compiles its leaf strides in."""
+    shape = {"k": rows_k, "n": cols_n}
+    strides, step = {}, 1
+    for d in reversed(dims):
+        strides[d] = step
+        step *= shape[d]
+    return strides.get("k", 0), strides.get("n", 0)
+
+
 def aot_builds():
     """The packed kernels for the report's formats at N = K = 8192: every GEMV and tensor-core config
     the dispatcher offers at M = 1 and 16, and the decode-once kernel."""
@@ -990,8 +1004,11 @@ def aot_builds():
                 if cfg in seen or isinstance(cfg, Int4Mma):  # (int4_mma.aot_builds has those)
                     continue
                 seen.add(cfg)
+                ssk, ssn = _contiguous_strides(lay.scale_dims, -(-K // lay.group_k), -(-N // lay.group_n))
+                szk, szn = _contiguous_strides(lay.zero_dims, -(-K // lay.group_k),
+                                               -(-N // (lay.group_n * lay.zero_per_word)))
                 common = dict(q_ptr=qt, s_ptr=st, z_ptr=zt, g_ptr="*fp32", N=N, K=K, sqk=N if lay.code_dims[0] == "k" else 1,
-                              sqn=1 if lay.code_dims[0] == "k" else kw, ssk=N, ssn=1, szk=N // 8, szn=1)
+                              sqn=1 if lay.code_dims[0] == "k" else kw, ssk=ssk, ssn=ssn, szk=szk, szn=szn)
                 if isinstance(cfg, PackedDequant):
                     args = dict(w_ptr="*bf16", KW=kw, stride_wk=N, stride_wn=1, **common)
                     builds.append(TritonBuild("packed_decode", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
