@@ -287,6 +287,25 @@ def test_partial_last_group():
         assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
 
 
+def test_gemv_scale_groups_that_straddle_its_column_tiles():
+    """Found in review: scales shared by 24 columns, zeros packed 8 to a word along N (192 columns per word).
+    A 64-column GEMV tile starts inside a scale group, so the per-tile addressing that forms a scale's
+    address as tile base // GN + column // GN must not serve it (it checked GN * 8 against the tile only)."""
+    K, N, GN = 256, 384, 24
+    lay = dataclasses.replace(pm.REPORT_LAYOUTS["gptq"][0], group_n=GN)
+    torch.manual_seed(0)
+    q = torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32)
+    s = (torch.rand(K // 128, N // GN) * 0.02 + 0.005).to(torch.bfloat16)
+    z = torch.randint(-2**31, 2**31 - 1, (K // 128, N // (GN * 8)), dtype=torch.int32)
+    assert (lay.code, lay.zero_leaf, lay.scale) == (0, 1, 2)
+    leaves = [t.to(DEVICE) for t in (q, z, s)]
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
+    want = pm.packed_mm_reference(x, leaves, lay, K, N)
+    for cfg in (pm.PackedGemv(64, 128, 2, 4), pm.PackedGemv(32, 128, 1, 4)):
+        got = pm.gemv(x, leaves, lay, K, N, cfg)
+        assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
+
+
 def test_fp8_with_a_zero_point():
     """Found in review: fp8 codes with a float zero point, ``(w8 - z) * s``. The GPU's four-at-a-time fp8
     path formed no sum of x for the zero; zero points now take the general path."""
