@@ -71,12 +71,29 @@ def test_group_matches_each_launch(fmt, Ns, M, split_k):
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
 def test_byte_codes_read_as_words(fmt):
     """fp8 and int8 codes viewed as bytes, then read four at a time as int32 words (pointer offsets in
-    bytes, cast after the move); two members, split K. Vector loads along K are refused (module doc)."""
+    bytes, cast after the move); two members, split K; also read in K vectors."""
     _check(fmt, 256, [64, 40], 1, pm.PackedGemv(32, 128, 2, 4))
-    x = torch.randn(1, 256, dtype=torch.bfloat16, device=DEVICE)
-    made = [member(fmt, 256, n, x, i) for i, n in enumerate((64, 40))]
-    with pytest.raises(ValueError, match="vec_k"):
-        pg.gemv_group(x, [m[0] for m in made], made[0][1], 256, [64, 40], pm.PackedGemv(32, 128, 2, 4, vec_k=True))
+    _check(fmt, 256, [64, 40], 1, pm.PackedGemv(32, 128, 2, 4, vec_k=True))
+
+
+def test_vector_k_reads_need_every_members_codes_16_byte_aligned():
+    """Members that are row slices of one int8 buffer: 64 rows of K = 264 bytes apart is a multiple of 16
+    bytes (grouped), 1 row is not (None: the caller launches them one by one; the module doc says why)."""
+    K, x = 264, torch.randn(1, 264, dtype=torch.bfloat16, device=DEVICE)
+    made = [member("int8_channel", K, n, x, seed) for seed, n in enumerate((64, 40))]
+    q = torch.cat([m[0][0] for m in made])
+    s = torch.cat([m[0][1] for m in made])
+    lay = made[0][1]
+    cfg = pm.PackedGemv(32, 8, 2, 4, vec_k=True)
+    aligned = [[q[:64], s[:64]], [q[64:104], s[64:104]]]
+    assert (64 * K) % 16 == 0
+    outs = pg.gemv_group(x, aligned, lay, K, [64, 40], cfg)
+    assert outs is not None
+    for o, m, n in zip(outs, aligned, (64, 40)):
+        assert torch.equal(o, pm.gemv(x, m, lay, K, n, cfg))
+    off_by_a_row = [[q[:64], s[:64]], [q[65:105], s[65:105]]]
+    assert pg.gemv_group(x, off_by_a_row, lay, K, [64, 40], cfg) is None
+    assert pg.gemv_group(x, off_by_a_row, lay, K, [64, 40], pm.PackedGemv(32, 8, 2, 4)) is not None
 
 
 def test_members_before_member_zero_and_inside_one_buffer():
@@ -132,9 +149,9 @@ def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
         _check(fmt, 4096, list(Ns), 1, cfg)
 
 
-def test_group_candidates_leave_out_vector_k_reads():
-    """The grouped launch is offered the dispatcher's GEMV configs for the summed width except those reading
-    K in vectors (the grouped build cannot prove its members' words aligned: see ``group_candidates``)."""
+def test_group_candidates_are_the_dispatchers_gemv_configs():
+    """The grouped launch is offered the dispatcher's GEMV configs for the summed width, those reading K in
+    vectors included (``gemv_group`` refuses them per call where the codes are not 16-byte aligned)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels import decode_mm_group as dmg
 
@@ -142,4 +159,4 @@ def test_group_candidates_leave_out_vector_k_reads():
     offered = [c for c in dm._packed_candidates(1, 28672, 4096, 132, lay) if isinstance(c, pm.PackedGemv)]
     assert any(c.vec_k for c in offered)
     got = dmg.group_candidates(1, 28672, 4096, 132, lay)
-    assert got and not any(c.vec_k for c in got) and set(got) == {c for c in offered if not c.vec_k}
+    assert got == offered

@@ -2,6 +2,7 @@
 
     python benchmarks/proto/probe_gemv_ab.py --old DIR [--csv OUT.csv] [--formats ...] [--shapes ...]
     python benchmarks/proto/probe_gemv_ab.py --old - --splits 1,2,4,8 [...]   (this version, SPLIT_K swept)
+    python benchmarks/proto/probe_gemv_ab.py --old - [...]   (this version only, every config it offers)
 
 DIR holds the other version's ``packed_mm.py`` and ``packed_gemv_group.py`` (e.g. ``git show
 <sha>:fusekern/kernels/packed_mm.py > DIR/packed_mm.py``); both versions run every GEMV config the
@@ -84,7 +85,8 @@ def main():
             floor = sum(floor_us(lv, n, K, 1) for lv, n in zip(members, Ns))
             cfgs = [c for c in dm._packed_candidates(1, sum(Ns), K, sms, lay)
                     if isinstance(c, pm_new.PackedGemv) and not (len(Ns) > 1 and c.vec_k)]
-            versions_run = (("old", pm_old, pg_old), ("new", pm_new, pg_new))
+            versions_run = (("old", pm_old, pg_old), ("new", pm_new, pg_new)) if pm_old is not None else \
+                (("new", pm_new, pg_new),)
             if args.splits:
                 tiles = dict.fromkeys((c.BLOCK_N, c.BLOCK_K, c.num_warps, c.vec_k) for c in cfgs)
                 cfgs = [pm_new.PackedGemv(bn, bk, sk, w, vec_k=vk) for bn, bk, w, vk in tiles
@@ -92,7 +94,10 @@ def main():
                 versions_run = (("new", pm_new, pg_new),)
             for cfg in cfgs:
                 for ver, pm, pg in versions_run:
-                    c = pm.PackedGemv(cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, vec_k=cfg.vec_k)
+                    c = cfg if pm is pm_new else \
+                        pm.PackedGemv(cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, vec_k=cfg.vec_k)
+                    if pm is not pm_new and getattr(cfg, "xpre", False):
+                        continue  # (the other version has no prepared x)
                     if len(Ns) == 1:
                         fn = (lambda pm=pm, c=c: pm.gemv(x, members[0], lay, K, Ns[0], c))
                     else:
