@@ -426,17 +426,13 @@ GEMV_CASES = [("int4_k_stack", 4096, 1024, 1, pm.PackedGemv(64, 256, 4, 4), Fals
               ("int4_k_stack", 256, 136, 3, pm.PackedGemv(32, 128, 1, 4), True, torch.bfloat16),
               ("gptq", 4096, 4096, 1, pm.PackedGemv(128, 128, 2, 4, vec_k=True), False, torch.bfloat16),
               ("fp8_channel", 512, 200, 2, pm.PackedGemv(64, 128, 2, 4), True, torch.float16),
-              ("mxfp4", 256, 64, 1, pm.PackedGemv(32, 128, 2, 4), False, torch.bfloat16),
-              # x prepared by a second launch, which the replay runs first into fresh buffers
-              ("int4_k_stack", 4096, 1024, 1, pm.PackedGemv(64, 128, 4, 4, vec_k=True, xpre=True), True,
-               torch.bfloat16),
-              ("int8_channel", 512, 192, 2, pm.PackedGemv(32, 128, 2, 4, xpre=True), False, torch.float16)]
+              ("mxfp4", 256, 64, 1, pm.PackedGemv(32, 128, 2, 4), False, torch.bfloat16)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias,dtype", GEMV_CASES,
-                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-xpre' if c[4].xpre else ''}"
-                              f"{'-bias' if c[5] else ''}" for c in GEMV_CASES])
+                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-bias' if c[5] else ''}"
+                              for c in GEMV_CASES])
 def test_gpu_gemv_replay(fmt, K, N, M, cfg, with_bias, dtype):
     x = torch.randn(M, K, dtype=dtype, device=DEVICE)
     leaves, lay = member(fmt, K, N, x, 0)
@@ -484,10 +480,8 @@ def test_gpu_int4_mma_replay(fmt, K, N, M, cfg, with_bias):
 @pytest.mark.parametrize("fmt,Ns,M,cfg,dtype", [
     ("int4_k_stack", [4096, 1024, 1024], 1, pm.PackedGemv(64, 256, 4, 4), torch.bfloat16),
     ("int4_k_stack", [14336, 14336], 1, pm.PackedGemv(128, 128, 2, 4), torch.bfloat16),
-    ("int8_channel", [96, 40], 2, pm.PackedGemv(32, 128, 1, 4), torch.float16),
-    ("int4_k_stack", [4096, 1024, 1024], 1, pm.PackedGemv(64, 128, 4, 4, xpre=True), torch.bfloat16),
-    ("int8_channel", [96, 64], 2, pm.PackedGemv(32, 128, 1, 4, xpre=True), torch.float16)],
-    ids=["qkv_split", "gate_up_split", "two_no_split_fp16", "qkv_xpre", "two_xpre_fp16"])
+    ("int8_channel", [96, 40], 2, pm.PackedGemv(32, 128, 1, 4), torch.float16)],
+    ids=["qkv_split", "gate_up_split", "two_no_split_fp16"])
 def test_gpu_gemv_group_replay(fmt, Ns, M, cfg, dtype):
     K = 4096 if Ns[0] >= 1024 else 256
     x = torch.randn(M, K, dtype=dtype, device=DEVICE)

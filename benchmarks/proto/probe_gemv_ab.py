@@ -83,8 +83,7 @@ def main():
             ref = torch.cat([pm_new.packed_mm_reference(x, lv, lay, K, n).float().to(x.device)
                              for lv, n in zip(members, Ns)], dim=1)
             floor = sum(floor_us(lv, n, K, 1) for lv, n in zip(members, Ns))
-            cfgs = [c for c in dm._packed_candidates(1, sum(Ns), K, sms, lay)
-                    if isinstance(c, pm_new.PackedGemv) and not (len(Ns) > 1 and c.vec_k)]
+            cfgs = [c for c in dm._packed_candidates(1, sum(Ns), K, sms, lay) if isinstance(c, pm_new.PackedGemv)]
             versions_run = (("old", pm_old, pg_old), ("new", pm_new, pg_new)) if pm_old is not None else \
                 (("new", pm_new, pg_new),)
             if args.splits:
@@ -94,10 +93,7 @@ def main():
                 versions_run = (("new", pm_new, pg_new),)
             for cfg in cfgs:
                 for ver, pm, pg in versions_run:
-                    c = cfg if pm is pm_new else \
-                        pm.PackedGemv(cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, vec_k=cfg.vec_k)
-                    if pm is not pm_new and getattr(cfg, "xpre", False):
-                        continue  # (the other version has no prepared x)
+                    c = pm.PackedGemv(cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, vec_k=cfg.vec_k)
                     if len(Ns) == 1:
                         fn = (lambda pm=pm, c=c: pm.gemv(x, members[0], lay, K, Ns[0], c))
                     else:

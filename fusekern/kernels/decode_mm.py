@@ -135,14 +135,6 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                     continue  # vector loads along K won only for 1-byte codes contiguous along K
                 sk = _split_k(cdiv(N, bn), cdiv(K, 128), sms, per_sm)
                 out.append(pm.PackedGemv(bn, 128, sk, warps, vec_k=vec_k))
-            # Integer codes: x prepared once per call (``gemv_x_prep``), which makes K-vector tiles cheap
-            # (a thread's eight words of a column read adjacent prepared floats): 222 against 303 loop
-            # instructions per 64 values on the sm_90a build of two codes per byte (``fits`` drops these
-            # for other formats; a call whose shape does not fit runs them as the plain config)
-            for bn, warps, per_sm, vec_k in ((64, 4, 8, True), (64, 4, 4, True), (64, 4, 8, False),
-                                             (32, 4, 4, False)):
-                sk = _split_k(cdiv(N, bn), cdiv(K, 128), sms, per_sm)
-                out.append(pm.PackedGemv(bn, 128, sk, warps, vec_k=vec_k, xpre=True))
     if 1 < M <= 64:
         bm = max(16, next_power_of_2(M))
         for bn, bk, warps in ((64, 128, 4), (128, 64, 4), (64, 64, 4)):

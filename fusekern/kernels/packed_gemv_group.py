@@ -42,7 +42,7 @@ def _pick(in1, in2, v0, v1, v2):
 
 @triton.jit(do_not_specialize=_MEMBER_ARGS)  # offsets between allocations change per weight: one compile
 def packed_gemv_group_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr, xc_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
     stride_xm, stride_xk,
     sqk: tl.constexpr, sqn: tl.constexpr, ssk: tl.constexpr, ssn: tl.constexpr, szk: tl.constexpr,
@@ -52,8 +52,7 @@ def packed_gemv_group_kernel(
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, XPRE: tl.constexpr = False,
-    QALIGN: tl.constexpr = 1,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, QALIGN: tl.constexpr = 1,
 ):
     """Member 0 owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their
     widths, D*1 / D*2 the element offsets of members 1 and 2's codes, scales, zeros, outputs ([M, N_i],
@@ -70,10 +69,10 @@ def packed_gemv_group_kernel(
     pm.gemv_program(pid - first, pid, tl.program_id(1), tl.program_id(2), x_ptr,
                     q_ptr + dq, s_ptr + _pick(in1, in2, 0, DS1, DS2),
                     z_ptr + _pick(in1, in2, 0, DZ1, DZ2), g_ptr, out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
-                    ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, xp_ptr, xc_ptr, M, n, K, KW,
+                    ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, n, K, KW,
                     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, n, 1,
                     BITS, P, KPOS, VALUE, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN, HAS_GLOBAL,
-                    False, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64, XPRE)
+                    False, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64)
 
 
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
@@ -160,18 +159,15 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     i64 = any(leaves[lay.code].numel() >= 2**31 for leaves in members)
     q, s, z, g = ptrs
     rec = record is not None and workspace is None
-    xpre = pm.xpre_applies(lay, p, x.dtype, K, Ns, cfg)
-    xp, xc, prep = pm.prep_x(x, lay, p, order, cfg.BLOCK_K, rec) if xpre else (x, x, None)
     launch = replay.launch(packed_gemv_group_kernel, (sum(tiles), cfg.SPLIT_K, M), (
-        x, q, s, z, g, outs[0], ws, cnt, xp, xc, M, Ns[0], K, kw,
+        x, q, s, z, g, outs[0], ws, cnt, M, Ns[0], K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn,
         *t_bounds, *n_rest, *dq, *ds, *dz, *dout, *dws), dict(
         P=p, KPOS=pm._kpos(order), WORD_I32=word_i32, SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not pm._INTERPRET, EVEN=even, I64=i64, XPRE=xpre,
+        BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not pm._INTERPRET, EVEN=even, I64=i64,
         QALIGN=qalign if cfg.vec_k else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
-        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K,
-                               (prep, tuple(xp.shape), tuple(xc.shape)) if xpre else None))
+        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
 
 
@@ -180,17 +176,13 @@ class GemvGroupReplay:
     one are arguments) and fresh split-K partials per call; leaves and counters are the recorded ones.
     Returns None where the new outputs lie 2**31 elements or more apart and the recorded launch took
     32-bit offsets (the JIT types an unspecialized int by its value: the caller's path compiles the 64-bit
-    variant). prep: (the recorded ``gemv_x_prep`` launch, its two buffers' shapes) when x is prepared."""
+    variant)."""
 
-    def __init__(self, launch, M: int, Ns: list[int], dtype: torch.dtype, split_k: int, prep=None):
+    def __init__(self, launch, M: int, Ns: list[int], dtype: torch.dtype, split_k: int):
         self.launch, self.M, self.Ns, self.dtype, self.split_k = launch, M, list(Ns), dtype, split_k
         self.total = split_k * M * sum(Ns)
         self.slots = launch.slots("x_ptr", "out_ptr", "DO1", "DO2", "ws_ptr", *(() if split_k > 1 else ("cnt_ptr",)))
         self.narrow = all(_fits_i32(launch.args[i]) for i in self.slots[2:4])
-        self.prep = prep
-        if prep is not None:
-            self.prep_slots = prep[0].slots("x_ptr", "xp_ptr", "xc_ptr")
-            self.xp_slots = launch.slots("xp_ptr", "xc_ptr")
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         outs = [torch.empty((self.M, n), device=x.device, dtype=self.dtype) for n in self.Ns]
@@ -203,14 +195,7 @@ class GemvGroupReplay:
             vals += (torch.empty(self.total, device=x.device, dtype=torch.float32),)
         else:
             vals += (outs[0], outs[0])
-        slots = self.slots
-        if self.prep is not None:
-            prep, xp_shape, xc_shape = self.prep
-            xp = torch.empty(xp_shape, device=x.device, dtype=torch.float32)
-            xc = torch.empty(xc_shape, device=x.device, dtype=torch.float32)
-            prep.run(self.prep_slots, (x, xp, xc))
-            slots, vals = slots + self.xp_slots, vals + (xp, xc)
-        self.launch.run(slots, vals)
+        self.launch.run(self.slots, vals)
         return outs
 
 
@@ -228,23 +213,22 @@ def aot_builds():
         kw = K // lay.per_word if lay.pack_axis == "K" else K
         sqn = kw // 4 if word_i32 else kw
         gemvs = [c for c in dm._packed_candidates(1, sum(Ns), K, 132, lay) if isinstance(c, pm.PackedGemv)]
-        for cfg in gemvs[:2] + [c for c in gemvs if c.xpre][:2]:
+        for cfg in gemvs[:2] + [c for c in gemvs if c.vec_k][:1]:
             # member fields: not multiples of 16 (no divisibility hint: do_not_specialize), offsets 64-bit
             members = dict(T1=67, T2=83, N1=1027, N2=1027, DQ1=2**40 + 3, DQ2=-2**40 - 3, DS1=2**40 + 3,
                            DS2=-2**40 - 3, DZ1=2**40 + 3, DZ2=-2**40 - 3, DO1=2**40 + 3, DO2=-2**40 - 3,
                            DW1=2**40 + 3, DW2=2**41 + 3)
             args = dict(x_ptr="*bf16", q_ptr=qt, s_ptr=st, z_ptr=zt, g_ptr="*fp32", out_ptr="*bf16",
-                        ws_ptr="*fp32", cnt_ptr="*i32", xp_ptr="*fp32", xc_ptr="*fp32", M=3, N=Ns[0], K=K, KW=kw // 4 if word_i32 else kw,
+                        ws_ptr="*fp32", cnt_ptr="*i32", M=3, N=Ns[0], K=K, KW=kw // 4 if word_i32 else kw,
                         stride_xm=K, stride_xk=1, sqk=1, sqn=sqn, ssk=0 if lay.scale_dims == ("n",) else 1,
                         ssn=1 if lay.scale_dims == ("n",) else K // lay.group_k, szk=1, szn=K // lay.group_k,
                         **members)
             ce = dict(pm._constexprs(lay, False), P=p, KPOS=pm._kpos(order), WORD_I32=word_i32,
                       SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=True,
-                      EVEN=True, I64=False, XPRE=pm.xpre_applies(lay, p, torch.bfloat16, K, Ns, cfg),
-                      QALIGN={"*u8": 16, "*i8": 16, "*i32": 4}[qt] if cfg.vec_k else 1)
+                      EVEN=True, I64=False, QALIGN={"*u8": 16, "*i8": 16, "*i32": 4}[qt] if cfg.vec_k else 1)
             builds.append(TritonBuild("packed_gemv_group", f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} "
-                                      f"SPLIT_K={cfg.SPLIT_K}{' vec_k' if cfg.vec_k else ''}"
-                                      f"{' xpre' if cfg.xpre else ''} w{cfg.num_warps} s{cfg.num_stages} "
+                                      f"SPLIT_K={cfg.SPLIT_K}{' vec_k' if cfg.vec_k else ''} w{cfg.num_warps} "
+                                      f"s{cfg.num_stages} "
                                       f"[1x({'+'.join(map(str, Ns))})x{K}]", packed_gemv_group_kernel, args, ce,
                                       cfg.num_warps, cfg.num_stages))
     return builds

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.gemv_x_prep import gemv_x_prep
 from fusekern.kernels.int4_mma import Int4Mma, int4_mma, layout_fits as int4_mma_fits
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
@@ -371,19 +370,6 @@ def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.const
 
 
 @triton.jit
-def _word_dot_pre(words, xt, ar, P: tl.constexpr, BITS: tl.constexpr, XMANT: tl.constexpr, ASM: tl.constexpr):
-    """``sum_f (2**(23 - E_f) + q_f) * x_f`` over the P fields of every word ([BKW, BLOCK_N]), x read
-    prepared (``gemv_x_prep``: fp32, field f of the tile's word rows ``ar`` at ``xt + f * BKW + ar``); the
-    biases' sum is removed per tile by the caller."""
-    part = tl.zeros(words.shape, dtype=tl.float32)
-    for f in tl.static_range(P):
-        xj = tl.load(xt + (f * words.shape[0] + ar))
-        v, _ = _int_biased(words, f * BITS, BITS, XMANT, ASM)
-        part += v * xj[:, None]
-    return part
-
-
-@triton.jit
 def _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
                  stride_on, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """A GEMV program's epilogue. Split K: every program writes its fp32 partial row to ``ws``
@@ -434,7 +420,7 @@ def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr, I64: tl.cons
 
 @triton.jit
 def packed_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr, xc_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
     stride_xm, stride_xk,
     # the leaves' strides (elements; the codes' in words) are compile-time constants: see HOIST below
@@ -444,27 +430,27 @@ def packed_gemv_kernel(
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, XPRE: tl.constexpr = False,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
 ):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice: ``gemv_program`` for this program."""
     gemv_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                 x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr, xc_ptr, M, N, K, KW,
+                 x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KW,
                  stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
                  BITS, P, KPOS, VALUE, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN, HAS_GLOBAL,
-                 HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64, XPRE)
+                 HAS_BIAS, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64)
 
 
 @triton.jit
 def gemv_program(
     pid_n, pid_count, pid_k, m,
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, xp_ptr, xc_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW,
     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, stride_om, stride_on,
     BITS: tl.constexpr, P: tl.constexpr, KPOS: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, XPRE: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
 ):
     """One row of ``x @ W`` for BLOCK_N columns over one K slice, weights packed along K (or unpacked).
 
@@ -477,9 +463,7 @@ def gemv_program(
     than several words of one column. (Loading the next tile's words before decoding this one did not
     help: benchmarks/results/h200/gemv_sweep.csv.) EVEN: whole tiles (K % BLOCK_K == 0 == N % BLOCK_N), no masks.
     pid_n: the column tile; pid_count: the program's split-K counter along axis 0 (pid_n, or its tile in a
-    group's launch: ``packed_gemv_group``). XPRE: x comes prepared by ``gemv_x_prep`` (``xp_ptr``,
-    ``xc_ptr``; integer codes, 16-bit x, the hoisted path only): no conversion or bias sum per word row,
-    the biases and the zero point removed once per column and tile."""
+    group's launch: ``packed_gemv_group``)."""
     BKW: tl.constexpr = BLOCK_K // P
     XMANT: tl.constexpr = 8 if x_ptr.dtype.element_ty == tl.bfloat16 else (
         11 if x_ptr.dtype.element_ty == tl.float16 else 0)
@@ -506,12 +490,6 @@ def gemv_program(
     GROUPS_ALIGN: tl.constexpr = ((BLOCK_N % GN == 0) or (GN % BLOCK_N == 0)) and (
         (BLOCK_N % (GN * ZPW) == 0) or ((GN * ZPW) % BLOCK_N == 0))
     HOIST: tl.constexpr = EVEN and PER_TILE and GROUPS_ALIGN
-    if XPRE:
-        tl.static_assert(HOIST and VALUE <= 1 and XMANT > 0 and P > 1 and (BITS == 4 or BITS == 8),
-                         "gemv_program: XPRE takes integer codes, 16-bit x and whole tiles of one scale row")
-        xp_row = xp_ptr + m.to(tl.int64) * K
-        xc_row = xc_ptr + m.to(tl.int64) * (2 * (K // BLOCK_K))
-        corr = tl.zeros((1, BLOCK_N), dtype=tl.float32)  # sum over tiles of (bias sum + z * sum x) * s
     if HOIST:
         n0 = (pid_n * BLOCK_N).to(tl.int64)
         ln = tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
@@ -535,12 +513,7 @@ def gemv_program(
             else:
                 words = words ^ -2139062144  # 0x80808080
         kbase = kw * P
-        if XPRE:
-            part = _word_dot_pre(words, xp_row + tl.cast(t, tl.int64) * BLOCK_K, ar, P, BITS, XMANT, ASM)
-            xsum = None
-        else:
-            part, xsum = _word_dot(words, x_row, kbase, stride_xk, K, KPOS, P, VALUE, BITS, ZERO, XMANT, ASM,
-                                   EVEN)
+        part, xsum = _word_dot(words, x_row, kbase, stride_xk, K, KPOS, P, VALUE, BITS, ZERO, XMANT, ASM, EVEN)
         if PER_TILE:
             kz = t * BLOCK_K + tl.zeros((1, 1), dtype=tl.int32)
             zmask = nmask
@@ -549,20 +522,7 @@ def gemv_program(
             zmask = (kw[:, None] < KW) & nmask
         if EVEN:  # constant-true masks fold away
             zmask = tl.full(zmask.shape, 1, tl.int1)
-        if XPRE:
-            g = tl.cast((t * BLOCK_K) // GK, tl.int64)
-            c = tl.load(xc_row + 2 * t)
-            if ZERO != 0:
-                c = c + _zero_loaded(z_base + g * szk + z_off, n, ZERO, ZERO_VALUE, GN, ZPW, ZORDER, BITS) \
-                    * tl.load(xc_row + 2 * t + 1)
-            if SCALE != 0:
-                sc = _scale_of(tl.load(s_base + g * ssk + s_off), SCALE)
-                acc += part * sc
-                corr += c * sc
-            else:
-                acc += part
-                corr += c
-        elif HOIST:
+        if HOIST:
             g = tl.cast((t * BLOCK_K) // GK, tl.int64)  # the tile's group row
             if ZERO != 0:
                 part -= _zero_loaded(z_base + g * szk + z_off, n, ZERO, ZERO_VALUE, GN, ZPW, ZORDER, BITS) \
@@ -580,8 +540,6 @@ def gemv_program(
             else:
                 acc += part
     out = tl.sum(acc, axis=0)
-    if XPRE:
-        out -= tl.sum(corr, axis=0)
     if VALUE == 3:
         out = out * E2M1_SCALE
     _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_count, pid_k, m, M, offs_n, N, stride_om,
@@ -710,7 +668,6 @@ class PackedGemv:
     num_warps: int
     num_stages: int = 3
     vec_k: bool = False  # K-contiguous words: vector loads along K (else one word per thread, x reused)
-    xpre: bool = False  # x prepared once per call by gemv_x_prep (integer codes only: ``xpre_applies``)
 
 
 @dataclass(frozen=True)
@@ -744,28 +701,7 @@ def fits(lay: PackedLayout, cfg) -> bool:
         p = _words(lay)[1]
         if bk % p or lay.group_k % p:  # the GEMV scales a word's values together: one group per word
             return False
-        if cfg.xpre and not xpre_layout(lay, p, bk):
-            return False
-    elif isinstance(cfg, PackedGemv) and cfg.xpre:
-        return False
     return True
-
-
-def xpre_layout(lay: PackedLayout, p: int, block_k: int) -> bool:
-    """Can an ``xpre`` GEMV config read this layout (integer codes of 4 or 8 bits packed along K, several
-    per word, one scale row per K tile)? The rest is checked per call (``xpre_applies``)."""
-    return (lay.pack_axis != "N" and VALUE_CODES[lay.value] <= 1 and lay.bits in (4, 8) and p > 1
-            and lay.group_k % block_k == 0)
-
-
-def xpre_applies(lay: PackedLayout, p: int, x_dtype: torch.dtype, K: int, Ns, cfg: "PackedGemv") -> bool:
-    """Does an ``xpre`` config take the prepared-x path for this call (``gemv_program``'s XPRE: the
-    layout, 16-bit x and its hoisted path's whole tiles of one scale row)? Otherwise it runs as the
-    config without xpre."""
-    bn, gn, zg = cfg.BLOCK_N, lay.group_n, lay.group_n * lay.zero_per_word
-    return (cfg.xpre and xpre_layout(lay, p, cfg.BLOCK_K) and x_dtype in (torch.bfloat16, torch.float16)
-            and K % cfg.BLOCK_K == 0 and all(n % bn == 0 for n in Ns)
-            and (bn % gn == 0 or gn % bn == 0) and (bn % zg == 0 or zg % bn == 0))
 
 
 def _words(lay: PackedLayout, q: torch.Tensor | None = None):
@@ -872,35 +808,16 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         ws = cnt = out
     has_bias = bias is not None
     rec = record is not None and workspace is None
-    xpre = xpre_applies(lay, p, x.dtype, K, (N,), cfg)
-    xp = xc = prep = None
-    if xpre:
-        xp, xc, prep = prep_x(x, lay, p, order, cfg.BLOCK_K, rec)
     launch = replay.launch(packed_gemv_kernel, (tiles_n, cfg.SPLIT_K, M), (
-        x, *ptrs, bias if has_bias else x, out, ws, cnt, xp if xpre else x, xc if xpre else x, M, N, K, kw,
+        x, *ptrs, bias if has_bias else x, out, ws, cnt, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1)), dict(
         P=p, KPOS=_kpos(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
         EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
-        XPRE=xpre, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
-        rep = replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if has_bias else replay.X)
-        if xpre:
-            rep = with_prep(rep, prep, xp, xc)
-        record(rep)
+        record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if has_bias else replay.X))
     return out
-
-
-def prep_x(x: torch.Tensor, lay: PackedLayout, p: int, order, block_k: int, record: bool):
-    """``gemv_x_prep`` for this layout's fields: (xp, xc, its recorded launch or None)."""
-    return gemv_x_prep(x, x.shape[1], p, _kpos(order), lay.bits, VALUE_CODES[lay.value] == 1, block_k, record)
-
-
-def with_prep(rep: "replay.Replay", prep, xp: torch.Tensor, xc: torch.Tensor) -> "replay.Replay":
-    """A GEMV replay whose activation is first prepared into two fresh buffers (xp, xc) by ``prep``."""
-    i = len(rep.buffers)
-    return rep.with_pre(prep, {"x_ptr": replay.X, "xp_ptr": i, "xc_ptr": i + 1}, {"xp_ptr": i, "xc_ptr": i + 1},
-                        [(tuple(xp.shape), xp.dtype), (tuple(xc.shape), xc.dtype)])
 
 
 @functools.lru_cache(maxsize=256)
@@ -1114,12 +1031,10 @@ def aot_builds():
                     else:
                         kernel = packed_gemv_kernel
                         args = {k: v for k, v in args.items() if k != "stride_os"}
-                        args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", xp_ptr="*fp32", xc_ptr="*fp32")
+                        args.update(out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
                         ce.update(KPOS=_kpos(order), VEC_K=cfg.vec_k, ASM=True,
-                                  EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=False,
-                                  XPRE=xpre_applies(lay, p, torch.bfloat16, K, (N,), cfg))
-                    label = (f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
-                             f"{' vec_k' if cfg.vec_k else ''}{' xpre' if cfg.xpre else ''}")
+                                  EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=False)
+                    label = f"{name} BLOCK_N={cfg.BLOCK_N} BLOCK_K={cfg.BLOCK_K} SPLIT_K={cfg.SPLIT_K}"
                     kname = "packed_gemv"
                 else:
                     kernel = packed_dot_kernel

@@ -86,37 +86,17 @@ class Replay:
     the cuBLAS matmul after a weight decode, a bias). ``slots``: kernel argument -> ``X`` or the index of
     a buffer; ``buffers``: (shape, dtype) allocated per call; ``tail(x, buffers, bias)`` gives the result
     (None: buffer 0). The tail must hold no tensor; the bias is the caller's, the same tensor as recorded
-    (the ops check it with the leaves). ``pre``: launches run first, as (launch, slots) pairs with slots
-    as above (e.g. ``gemv_x_prep`` writing buffers the main launch reads)."""
+    (the ops check it with the leaves)."""
 
-    def __init__(self, launch: Launch, slots: dict, buffers: list, tail=None, pre=()):
+    def __init__(self, launch: Launch, slots: dict, buffers: list, tail=None):
         self.launch, self.buffers, self.tail = launch, buffers, tail
         self.slots = launch.slots(*slots)
         self.sources = tuple(slots.values())
-        self.pre = tuple((p, p.slots(*ps), tuple(ps.values())) for p, ps in pre)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None):
         bufs = [torch.empty(shape, device=x.device, dtype=dtype) for shape, dtype in self.buffers]
-        for p, slots, sources in self.pre:
-            p.run(slots, [x if s == X else bufs[s] for s in sources])
         self.launch.run(self.slots, [x if s == X else bufs[s] for s in self.sources])
         return bufs[0] if self.tail is None else self.tail(x, bufs, bias)
-
-    def with_pre(self, launch: Launch, pre_slots: dict, main_slots: dict, buffers: list) -> "Replay":
-        """This replay with ``launch`` run first: ``buffers`` are appended to this one's (index them from
-        ``len(self.buffers)``); ``pre_slots`` fill the new launch, ``main_slots`` more of this one's."""
-        slots = dict(zip((self.launch_names()), self.sources))
-        slots.update(main_slots)
-        pre = [(p, dict(zip(_names(p, sl), src))) for p, sl, src in self.pre] + [(launch, pre_slots)]
-        return Replay(self.launch, slots, self.buffers + list(buffers), self.tail, pre)
-
-    def launch_names(self) -> tuple[str, ...]:
-        return _names(self.launch, self.slots)
-
-
-def _names(launch: Launch, slots: tuple[int, ...]) -> tuple[str, ...]:
-    by_index = {i: n for n, i in launch.index.items()}
-    return tuple(by_index[i] for i in slots)
 
 
 def split_k_replay(launch: Launch, M: int, N: int, dtype: torch.dtype, split_k: int, bias_placeholder) -> Replay:

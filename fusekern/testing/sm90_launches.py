@@ -18,7 +18,6 @@ import torch
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusekern.kernels import gemv_x_prep
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels.aot import compile_sm90
 from fusekern.patterns.decode.formats import recognize
@@ -30,8 +29,7 @@ from fusekern.testing.decode_zoo import BY_NAME
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
             torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64",
             torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
-KERNELS = ((pm, "packed_gemv_kernel"), (pm, "packed_gemv_n_kernel"), (pm, "packed_dot_kernel"),
-           (pm, "packed_decode_kernel"), (gemv_x_prep, "gemv_x_prep_kernel"))
+KERNELS = ("packed_gemv_kernel", "packed_gemv_n_kernel", "packed_dot_kernel", "packed_decode_kernel")
 
 
 class _Recorder:
@@ -52,9 +50,7 @@ class _Recorder:
 
 def configs(lay, M: int) -> list:
     """The configs the kernel tests run (tests/test_packed_mm.py imports them from here)."""
-    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64),
-           # x prepared once (integer formats; whole tiles only, else they run as the plain configs)
-           pm.PackedGemv(32, 64, 1, 4, xpre=True), pm.PackedGemv(64, 64, 2, 4, vec_k=True, xpre=True)]
+    out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
     if M > 1:
         out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
     return [c for c in out if pm.fits(lay, c)]
@@ -72,10 +68,10 @@ def launches_of(fmt: str, K: int, N: int, M: int = 5) -> list:
     prog = DecodeProgram.from_text(text)
     lay = derive_layout(prog, recognize(prog, consts), consts)
     recorded: list = []
-    saved = {(mod, name): getattr(mod, name) for mod, name in KERNELS}
+    saved = {name: getattr(pm, name) for name in KERNELS}
     try:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, _Recorder(fn, recorded))
+        for name in KERNELS:
+            setattr(pm, name, _Recorder(saved[name], recorded))
         out = []
         for cfg in configs(lay, M):
             recorded.clear()
@@ -83,8 +79,8 @@ def launches_of(fmt: str, K: int, N: int, M: int = 5) -> list:
             out += [(cfg, *launch) for launch in recorded]
         return out
     finally:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, fn)
+        for name, fn in saved.items():
+            setattr(pm, name, fn)
 
 
 def main(formats: list[str]) -> int:
