@@ -10,7 +10,6 @@ sys.path.insert(0, "benchmarks")
 from bench_int4_mma import zoo_weight
 from bench_common import versions, warm_up_clocks
 from fusekern.kernels import decode_mm as dm, packed_mm as pm
-from fusekern.kernels import gemv_x_prep as gx
 
 warm_up_clocks()
 meta = versions()
