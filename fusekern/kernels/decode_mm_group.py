@@ -10,6 +10,7 @@ by one: the op never computes anything ``decode_mm`` would not.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -132,8 +133,12 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         progs = [DecodeProgram.from_text(t) for t in programs]
         for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
             dm._check_args(x, m, p, None, text)
-        outs = pg.gemv_group(x, members, PackedLayout.from_text(layout), progs[0].K, [p.N for p in progs], cfg,
-                             record=replay.recorder(_REPLAYS, key, leaves))
+        lay, Ns = PackedLayout.from_text(layout), [p.N for p in progs]
+        outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
+        if outs is None and cfg.vec_k:  # tuned on another layer whose codes were 16-byte aligned: these are
+            # not, so the same tiles read word by word, still one launch
+            outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, vec_k=False),
+                                 record=replay.recorder(_REPLAYS, key, leaves))
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)
