@@ -144,27 +144,34 @@ def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkey
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_a_vector_k_choice_met_by_unaligned_codes_stays_one_launch(monkeypatch):
-    """A K-vector config tuned on a layer whose codes were 16-byte aligned, met by members that are not
-    (row slices of one int8 buffer, one row apart), runs as the same tiles read word by word: one grouped
-    launch, each member's output its own launch's."""
-    from fusekern.kernels import packed_mm as pm
+def _skewed_int8_group():
+    """(x, members, programs, layout text, layout) of two int8 projections whose second member's codes start
+    4 bytes off 16 (``test_packed_gemv_group.members_in_one_buffer``)."""
+    from test_packed_gemv_group import members_in_one_buffer
+
     from fusekern.patterns.decode.formats import recognize
     from fusekern.patterns.decode.layout import derive_layout
     from fusekern.patterns.decode.program import DecodeProgram
     from fusekern.testing.decode_cones import decode_program
     from fusekern.testing.decode_zoo import BY_NAME
 
-    K, x = 264, torch.randn(1, 264, dtype=torch.bfloat16)
-    case = BY_NAME["int8_channel"]
-    torch.manual_seed(0)
-    made = [decode_program(case.fn, x, *case.make(K, n, K, "cpu")) for n in (64, 40)]
-    q = torch.cat([leaves[0] for _, leaves, _ in made] + [made[1][1][0][:1]])  # one spare row at the end
-    members = [[q[:64], *made[0][1][1:]], [q[65:105], *made[1][1][1:]]]
-    programs = [text for text, _, _ in made]
-    prog = DecodeProgram.from_text(programs[0])
-    layout = derive_layout(prog, recognize(prog, made[0][2]), made[0][2]).to_text()
-    cfg = pm.PackedGemv(32, 8, 2, 4, vec_k=True)
+    x, members, _ = members_in_one_buffer(256, 4)
+    programs, lay = [], None
+    for m in members:
+        text, _, consts = decode_program(BY_NAME["int8_channel"].fn, x.cpu(), *(t.cpu() for t in m))
+        prog = DecodeProgram.from_text(text)
+        lay = derive_layout(prog, recognize(prog, consts), consts)
+        programs.append(text)
+    return x, members, programs, lay.to_text(), lay
+
+
+def check_vector_k_choice_met_by_skewed_codes(monkeypatch):
+    """A K-vector config tuned on a layer whose codes were 16-byte aligned, met by members that are not,
+    runs as the same tiles read word by word: one grouped launch, each member's output its own launch's."""
+    from fusekern.kernels import packed_mm as pm
+
+    x, members, programs, layout, lay = _skewed_int8_group()
+    cfg = pm.PackedGemv(32, 128, 2, 4, vec_k=True)
     monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
     monkeypatch.setattr(dmg, "_separate", lambda *a: pytest.fail("ran the members one by one"))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
@@ -172,10 +179,33 @@ def test_a_vector_k_choice_met_by_unaligned_codes_stays_one_launch(monkeypatch):
     real = dmg.pg.gemv_group
     monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     got = dmg._decode_mm_group_cuda(x, [t for m in members for t in m], programs, layout)
-    assert calls == [cfg, dataclasses.replace(cfg, vec_k=False)]
-    lay = derive_layout(prog, recognize(prog, made[0][2]), made[0][2])
+    rows = dataclasses.replace(cfg, vec_k=False)
+    assert calls == [cfg, rows]
     for g, m, n in zip(got, members, (64, 40)):
-        assert torch.equal(g, pm.gemv(x, m, lay, K, n, dataclasses.replace(cfg, vec_k=False)))
+        assert torch.equal(g, pm.gemv(x, m, lay, 256, n, rows))
+
+
+def test_a_vector_k_choice_met_by_skewed_codes_stays_one_launch(monkeypatch):
+    check_vector_k_choice_met_by_skewed_codes(monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_a_vector_k_choice_met_by_skewed_codes_stays_one_launch(monkeypatch):
+    check_vector_k_choice_met_by_skewed_codes(monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_tuner_skips_vector_k_configs_for_skewed_codes():
+    """The tuner measures no K-vector config on members whose codes are not all 16-byte aligned
+    (``gemv_group`` returns None for them) and keeps a grouped config or the members' own launches."""
+    x, members, programs, layout, _ = _skewed_int8_group()
+    dmg._tuned.clear()
+    choice = dmg.tuned_choice(x, members, programs, layout)
+    assert choice == dmg.SEPARATE or not choice.vec_k
+    got = dmg.decode_mm_group(x, [t for m in members for t in m], programs, layout)
+    want = dmg._separate(x, members, programs, layout)
+    for g, w in zip(got, want):
+        assert rel_err(g.float(), w.float()) < 1e-2
 
 
 def test_op_checks_its_leaves():

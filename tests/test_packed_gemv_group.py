@@ -76,24 +76,48 @@ def test_byte_codes_read_as_words(fmt):
     _check(fmt, 256, [64, 40], 1, pm.PackedGemv(32, 128, 2, 4, vec_k=True))
 
 
-def test_vector_k_reads_need_every_members_codes_16_byte_aligned():
-    """Members that are row slices of one int8 buffer: 64 rows of K = 264 bytes apart is a multiple of 16
-    bytes (grouped), 1 row is not (None: the caller launches them one by one; the module doc says why)."""
-    K, x = 264, torch.randn(1, 264, dtype=torch.bfloat16, device=DEVICE)
+def members_in_one_buffer(K: int, skew: int):
+    """Two int8 members (64 and 40 rows of K) laid out in one byte buffer, member 1 ``skew`` bytes past the
+    end of member 0 (K a multiple of 16: skew 0 keeps its codes 16-byte aligned, 4 does not; still whole
+    int32 words). Returns (x, members, layout)."""
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
     made = [member("int8_channel", K, n, x, seed) for seed, n in enumerate((64, 40))]
-    q = torch.cat([m[0][0] for m in made])
-    s = torch.cat([m[0][1] for m in made])
-    lay = made[0][1]
-    cfg = pm.PackedGemv(32, 8, 2, 4, vec_k=True)
-    aligned = [[q[:64], s[:64]], [q[64:104], s[64:104]]]
-    assert (64 * K) % 16 == 0
+    buf = torch.zeros(104 * K + 16, dtype=torch.int8, device=DEVICE)
+    q0 = buf[:64 * K].view(64, K)
+    q1 = buf[64 * K + skew:104 * K + skew].view(40, K)
+    q0.copy_(made[0][0][0])
+    q1.copy_(made[1][0][0])
+    return x, [[q0, *made[0][0][1:]], [q1, *made[1][0][1:]]], made[0][1]
+
+
+def check_vector_k_alignment():
+    """Aligned members take a K-vector config as one launch, each output its own launch's; members one of
+    whose codes start 4 bytes off 16 are refused (None: the hint would be false), and run grouped with
+    the same tiles read word by word."""
+    K = 256
+    cfg = pm.PackedGemv(32, 128, 2, 4, vec_k=True)
+    x, aligned, lay = members_in_one_buffer(K, 0)
     outs = pg.gemv_group(x, aligned, lay, K, [64, 40], cfg)
     assert outs is not None
     for o, m, n in zip(outs, aligned, (64, 40)):
         assert torch.equal(o, pm.gemv(x, m, lay, K, n, cfg))
-    off_by_a_row = [[q[:64], s[:64]], [q[65:105], s[65:105]]]
-    assert pg.gemv_group(x, off_by_a_row, lay, K, [64, 40], cfg) is None
-    assert pg.gemv_group(x, off_by_a_row, lay, K, [64, 40], pm.PackedGemv(32, 8, 2, 4)) is not None
+    x, skewed, lay = members_in_one_buffer(K, 4)
+    assert skewed[1][0].data_ptr() % 16 == 4
+    assert pg.gemv_group(x, skewed, lay, K, [64, 40], cfg) is None
+    rows = pm.PackedGemv(32, 128, 2, 4)
+    outs = pg.gemv_group(x, skewed, lay, K, [64, 40], rows)
+    for o, m, n in zip(outs, skewed, (64, 40)):
+        assert torch.equal(o, pm.gemv(x, m, lay, K, n, rows))
+        assert rel_err(o.float().cpu(), pm.packed_mm_reference(x, m, lay, K, n).float().cpu()) < TOL[torch.bfloat16]
+
+
+def test_vector_k_reads_need_every_members_codes_16_byte_aligned():
+    check_vector_k_alignment()
+
+
+@pytest.mark.gpu
+def test_gpu_vector_k_reads_need_every_members_codes_16_byte_aligned():
+    check_vector_k_alignment()
 
 
 def test_members_before_member_zero_and_inside_one_buffer():
