@@ -2,6 +2,7 @@
 
     python benchmarks/bench_e2e_decode.py [--csv benchmarks/results/h200/e2e_decode.csv]
                                           [--weights w4a16] [--batches 1,16,64] [--scopes layers,step]
+                                          [--ablate decode_attention]
 
 Two scopes, both one decode step (one new token per row at position 8):
 - ``layers``: the decoder layers (attention with the KV cache, SwiGLU MLP; every linear layer quantized);
@@ -50,6 +51,8 @@ def main():
     ap.add_argument("--weights", default="w4a16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--scopes", default="layers,step")
+    ap.add_argument("--ablate", default="", help="also time fusekern with each of these patterns disabled "
+                                                 "(comma-separated names; a variant each), e.g. decode_attention")
     args = ap.parse_args()
     info = versions()
     warm_up_clocks()
@@ -70,6 +73,9 @@ def main():
                 continue
             floor = nb / BW * 1e6
             variants = {"eager": fn, "stock": torch.compile(fn), "fusekern": torch.compile(fn, backend="fusekern")}
+            for name in filter(None, args.ablate.split(",")):
+                variants[f"fusekern_without_{name}"] = torch.compile(
+                    fn, backend="fusekern", options={"fusekern.disable": [name]})
             ref = None
             for name, f in variants.items():
                 with torch.no_grad():
@@ -83,7 +89,7 @@ def main():
                            us_cudagraph=round(us_cg, 1), floor_us=round(floor, 1),
                            x_floor_cudagraph=round(us_cg / floor, 2), rel_err_vs_eager=f"{err:.1e}",
                            bytes=nb, **info)
-                print(f"{scope:6s} B={B:3d} {name:9s} {us:8.1f} us  cudagraph {us_cg:8.1f} us  floor {floor:6.1f} "
+                print(f"{scope:6s} B={B:3d} {name:33s} {us:8.1f} us  cudagraph {us_cg:8.1f} us  floor {floor:6.1f} "
                       f"({us_cg / floor:.2f}x)  rel_err {err:.1e}", flush=True)
                 out.write(row)
     out.close()

@@ -63,7 +63,7 @@ from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "fp8_kv_attention-4"
+KERNEL_VERSION = "fp8_kv_attention-5"
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -291,9 +291,13 @@ def _load_partial(ws_acc_ptr, ws_ml_ptr, slot0, split, SPLITS, NR, r, real, D: t
 
 @triton.jit
 def _fold_partial(m, l_sum, acc, m_s, l_s, acc_s):
-    m_new = tl.maximum(m, m_s)  # finite: split 0 is folded first and every split has a token
-    keep = tl.math.exp2(m - m_new)
-    take = tl.math.exp2(m_s - m_new)
+    """Two partials (max, sum, acc) of one row at a common max. A partial with max -inf holds no token
+    (past the last split; a masked-out chunk in ``decode_attention``): it adds nothing, and two of them
+    stay empty (the reference max 0 keeps exp2 off -inf - -inf = NaN)."""
+    m_new = tl.maximum(m, m_s)
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+    keep = tl.math.exp2(m - m_ref)
+    take = tl.math.exp2(m_s - m_ref)
     return m_new, l_sum * keep + l_s * take, acc * keep[:, None] + acc_s * take[:, None]
 
 

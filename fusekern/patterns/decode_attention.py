@@ -1,0 +1,176 @@
+"""Decode attention over a 16-bit KV cache: SDPA with a few query rows per KV head, masked or not.
+
+The attention of a quantized model's decode step reads a bf16 / fp16 cache. Inductor hands SDPA to the
+library kernels (cuDNN, flash, efficient), which give each (batch, head) one program padded to a
+64- or 128-row query tile; with one query row per head that leaves most SMs idle (the demo's layer: ~8 us
+for 1 MB of K / V on the H200), and a bool mask first becomes a bias tensor in a kernel of its own.
+
+This rewrite reads the SDPA ops the same way ``fp8_kv_attention`` does (after it: an fp8 cache is that
+rewrite's) and replaces those whose K and V (through a GQA expansion) are in q's 16-bit dtype, whose
+query rows per KV head ((Hq / Hkv) * Lq) fit one program, with no dropout, not causal and a constant
+scale, with one ``fusekern::decode_attention`` call (split-KV, one launch). A mask stays a mask: a bool
+``attn_mask`` is passed as it is, and the bias inductor makes of one (``where(mask, 0, -inf)``, through
+views) is walked back to the bool, so the bias kernel goes away; any other float bias is read as it is.
+Prefill (many query rows) keeps the library kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Graph, Node
+
+from fusekern.kernels import decode_attention as kernel
+from fusekern.patterns.registry import register_rewrite
+from fusekern.patterns.scale_folding import Decline, _Emitter, _erase_dead, _is, _known, _val
+from fusekern.patterns.scale_folding_attention import SDPA_OPS, _arguments, _output, _strip_gqa
+
+aten = torch.ops.aten
+NAME = "decode_attention"
+
+# Views inductor puts between a mask's bias and the SDPA op; each is re-applied to the bool mask.
+MASK_VIEWS = (aten.expand.default, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
+              aten._unsafe_view.default)
+
+
+def _constant(n) -> float | None:
+    """The value of a 0-d constant: a Python number, or a ``full([], value)`` node."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return float(n)
+    if _is(n, aten.full.default) and list(n.args[0]) == [] and isinstance(n.args[1], (int, float)):
+        return float(n.args[1])
+    return None
+
+
+def _bool_of_bias(bias: Node) -> tuple[Node, list[Node]] | None:
+    """(the bool mask, the views from it to the bias' shape) when ``bias`` is ``where(mask, 0, -inf)``
+    behind views, as inductor writes a bool ``attn_mask``; None otherwise."""
+    views, cur = [], bias
+    while _is(cur, *MASK_VIEWS):
+        views.append(cur)
+        cur = cur.args[0]
+    if not (_is(cur, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+            and len(cur.args) == 3):
+        return None
+    cond, a, b = cur.args
+    cv = _val(cond)
+    if cv is None or cv.dtype != torch.bool or _constant(a) != 0.0 or _constant(b) != -math.inf:
+        return None
+    if list(cv.shape) != list(_val(cur).shape):  # the condition broadcast by where: not the same elements
+        return None
+    return cond, list(reversed(views))
+
+
+def _mask_argument(emit: _Emitter, mask, shape: list) -> Node | None:
+    """The mask node the kernel reads (bool, or a float bias), re-emitting views over a peeled bool."""
+    if mask is None:
+        return None
+    mv = _val(mask)
+    if mv is None:
+        raise Decline("a mask that is not a tensor")
+    if mv.dtype != torch.bool and not mv.dtype.is_floating_point:
+        raise Decline(f"a {mv.dtype} mask")
+    if mv.dim() > 4 or not all(_known(m == 1) or _known(m == w) for m, w in zip(reversed(mv.shape),
+                                                                                 reversed(shape))):
+        raise Decline(f"a mask of shape {tuple(mv.shape)} that does not broadcast to {tuple(shape)}")
+    if mv.dtype == torch.bool:
+        return mask
+    peeled = _bool_of_bias(mask)
+    if peeled is None:
+        return mask  # a real additive bias: read in its own dtype
+    cond, views = peeled
+    for view in views:
+        cond = emit(view.target, cond, *view.args[1:], **view.kwargs)
+    return cond
+
+
+def plan_and_replace(graph: Graph, n: Node) -> str:
+    args = _arguments(n)
+    q, k, v = args["query"], args["key"], args["value"]
+    mask = args.get("attn_mask", args.get("attn_bias"))
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        raise Decline("dropout")
+    if args.get("is_causal", False):
+        raise Decline("is_causal (top-left aligned): not a decode step over the whole cache")
+    qv = _val(q)
+    if qv is None or qv.dim() != 4 or qv.dtype not in kernel.Q_DTYPES:
+        raise Decline(f"q is not a 4-D bf16 / fp16 tensor ({None if qv is None else (qv.dtype, qv.dim())})")
+    B, Hq, Lq, D = qv.shape
+    scale = args.get("scale")
+    if scale is None:
+        if not isinstance(D, int):
+            raise Decline("a symbolic head dim")
+        scale = 1.0 / math.sqrt(D)
+    if not isinstance(scale, (int, float)):
+        raise Decline("a scale that is not a constant")
+    out = _output(n)
+    k_x, k_group, k_gqa = _strip_gqa(k)
+    v_x, v_group, v_gqa = _strip_gqa(v)
+    if k_group != v_group:
+        raise Decline(f"K and V expanded for GQA by {k_group} and {v_group}")
+    kv, vv = _val(k_x), _val(v_x)
+    if kv is None or vv is None or kv.dtype != qv.dtype or vv.dtype != qv.dtype:
+        raise Decline(f"K / V are not in q's dtype {qv.dtype} ({None if kv is None else kv.dtype}, "
+                      f"{None if vv is None else vv.dtype})")
+    if not isinstance(Hq, int) or not isinstance(Lq, int) or not isinstance(kv.shape[1], int):
+        raise Decline("symbolic head counts or query length")
+    if (Hq // kv.shape[1]) * Lq > kernel.MAX_ROWS:
+        raise Decline(f"{(Hq // kv.shape[1]) * Lq} query rows per KV head: prefill, not decode "
+                      f"(the kernel holds at most {kernel.MAX_ROWS})")
+    tensors = [q, k_x, v_x] + ([mask] if isinstance(mask, Node) else [])
+    devices = {_val(t).device for t in tensors if _val(t) is not None}
+    if len(devices) != 1 or qv.device.type not in ("cpu", "cuda"):
+        raise Decline(f"q, K / V and mask on {sorted(map(str, devices))}")
+    if _val(out).dtype != qv.dtype:
+        raise Decline(f"the attention output is {_val(out).dtype}, q is {qv.dtype}")
+    with qv.fake_mode:
+        try:
+            kernel._check_inputs(qv, kv, vv, _val(mask) if isinstance(mask, Node) else None)
+        except ValueError as e:
+            raise Decline(str(e).removeprefix("decode_attention: ")) from None
+    emit = _Emitter(graph, out, qv.fake_mode, [q, k_x, v_x])
+    mask_arg = _mask_argument(emit, mask, [B, Hq, Lq, kv.shape[2]])
+    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask_arg, float(scale))
+    out.replace_all_uses_with(fused)
+    _erase_dead(graph, [out, n, *k_gqa, *v_gqa])
+    _erase_dead_inputs(graph, mask if isinstance(mask, Node) and mask_arg is not mask else None)
+    parts = [f"{qv.dtype} K/V".replace("torch.", "")]
+    if Hq != kv.shape[1]:
+        parts.append(f"GQA {Hq // kv.shape[1]}")
+    if mask is not None:
+        parts.append("bool mask" if _val(mask_arg).dtype == torch.bool else "additive bias")
+    return ", ".join(parts)
+
+
+def _erase_dead_inputs(graph: Graph, node: Node | None) -> None:
+    """The bias' own producers (the where, its constants, the views) once nothing reads them."""
+    frontier = [node] if node is not None else []
+    while frontier:
+        cur = frontier.pop()
+        if cur._erased or cur.users or cur.op != "call_function":
+            continue
+        inputs = list(cur.all_input_nodes)
+        graph.erase_node(cur)
+        frontier.extend(inputs)
+
+
+def rewrite_decode_attention(graph: Graph) -> int:
+    from fusekern.compiler_pass.report import record_note, record_rejection
+
+    fired = 0
+    for n in [n for n in graph.nodes if _is(n, *SDPA_OPS)]:
+        try:
+            note = plan_and_replace(graph, n)
+        except Decline as why:
+            record_rejection(NAME, n.name, str(why))
+            continue
+        record_note(NAME, n.name, note)
+        fired += 1
+    return fired
+
+
+register_rewrite(
+    NAME, rewrite_decode_attention, family="scale_folding", stage="post_grad", kernel_version=kernel.KERNEL_VERSION,
+    description="SDPA at decode (Hq / Hkv * Lq <= 64 query rows per KV head) over a 16-bit KV cache, GQA, a "
+                "bool mask or additive bias: split-KV decode attention, the bool mask read as it is",
+)
