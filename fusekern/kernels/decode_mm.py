@@ -261,20 +261,47 @@ def fastest_correct(cands, run_of, x, probe, time_of, ref: torch.Tensor | None, 
     return best
 
 
+# Tuning times each launch with the weights out of L2 (COLD_L2): in a model's decode step every weight
+# comes from DRAM, since the other layers' weights pass through L2 between two uses of one, while launches
+# timed back to back re-read a weight of up to ~50 MB (the H200's L2) partly from L2, and the configs rank
+# differently there (an L2 read is not a DRAM read: the q / k / v and o projections are 8-13 MB).
+COLD_L2 = True
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """Twice the L2 size, from the caching allocator (reused by other tensors once tuning is done)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    return torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+
+
 def _gpu_time(run, reps: int = 3, launches: int = 10) -> float:
-    """Milliseconds of GPU time per ``run()``: the launches queue up behind a ~2 ms device-side sleep, so
-    the events time the kernels back to back, not the Python that launches them (a small GEMV runs in
-    less time than its launch takes on the CPU; timing launches picked configs at random)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """Milliseconds of GPU time per ``run()``: the launches queue up behind a device-side sleep, so the
+    events time the kernels, not the Python that launches them (a small GEMV runs in less time than its
+    launch takes on the CPU; timing launches picked configs at random). With COLD_L2 each launch is timed
+    alone, after a write that evicts L2 (the write itself is outside the events)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _l2_flush_buffer(device) if COLD_L2 else None
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(launches if COLD_L2 else 1)]
     times = []
     for _ in range(reps):
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        for _ in range(launches):
-            run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
+        torch.cuda._sleep(8_000_000)  # ~4 ms: the host queues every launch (and flush) before it ends
+        if COLD_L2:
+            for start, end in pairs:
+                flush.zero_()
+                start.record()
+                run()
+                end.record()
+            pairs[-1][1].synchronize()
+            times.append(sum(start.elapsed_time(end) for start, end in pairs) / launches)
+        else:
+            start, end = pairs[0]
+            start.record()
+            for _ in range(launches):
+                run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / launches)
     return sorted(times)[reps // 2]
 
 
