@@ -5,10 +5,12 @@
 
 32 query heads, 8 KV heads, d = 128, one query row per head. ``demo``: the demo's attention (B = 1, 16,
 64; a 256-token cache; the causal row of the current position as a bool mask,
-``F.scaled_dot_product_attention(q, k, v, attn_mask=causal[pos], enable_gqa=True)``). ``long``: B = 1
-and 8 over 8k tokens and B = 32 over 2k, no mask. Times, in one run: eager, stock torch.compile default,
+``F.scaled_dot_product_attention(q, k, v, attn_mask=causal[pos], enable_gqa=True)``). The demo's step
+is at position 8 (a static cache: the mask keeps 9 of 256 tokens), also timed at 216. ``long``: B = 1
+and 8 over 8k tokens and B = 32 over 2k, no mask, and B = 8 at position 4096 of 8k. Times, in one run: eager, stock torch.compile default,
 torch.compile(backend="fusekern") (the ``decode_attention`` rewrite feeds the kernel), the kernel called
-directly (and at each ``--splits``), and the floor (K + V bytes / 4.3 TB/s). Medians of
+directly (and at each ``--splits``; ``read_all``: with the masked tokens read too), and the floor (all
+K + V bytes / 4.3 TB/s: a masked kernel that skips tokens can go under it). Medians of
 triton.testing.do_bench and do_bench_cudagraph; each variant first checked against the float64 reference.
 """
 from __future__ import annotations
@@ -34,9 +36,10 @@ def attention_unmasked(q, k, v, causal, pos):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+# (B, S, position or None for no mask): the demo's benchmark step is at position 8 of its 256-token cache
 CASES = {
-    "demo": [(1, 256, True), (16, 256, True), (64, 256, True)],
-    "long": [(1, 8192, False), (8, 8192, False), (32, 2048, False)],
+    "demo": [(1, 256, 8), (64, 256, 8), (1, 256, 216), (16, 256, 216), (64, 256, 216)],
+    "long": [(1, 8192, None), (8, 8192, None), (32, 2048, None), (8, 8192, 4096)],
 }
 
 
@@ -51,14 +54,15 @@ def main():
     out = RowWriter(args.csv)
     Hq, Hkv, D = 32, 8, 128
     for case in args.cases.split(","):
-        for B, S, masked in CASES[case]:
+        for B, S, at in CASES[case]:
+            masked = at is not None
             g = torch.Generator(device=dev).manual_seed(S + B)
             # q as the demo makes it: [B, 1, Hq, D] projected, then transposed (not contiguous)
             q = torch.randn(B, 1, Hq, D, device=dev, generator=g).to(torch.bfloat16).transpose(1, 2)
             k = torch.randn(B, Hkv, S, D, device=dev, generator=g).to(torch.bfloat16)
             v = torch.randn(B, Hkv, S, D, device=dev, generator=g).to(torch.bfloat16)
             causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
-            pos = torch.tensor([S - 40], device=dev)  # the cache past the position holds stale rows
+            pos = torch.tensor([at or 0], device=dev)  # the cache past the position holds stale rows
             fn = attention if masked else attention_unmasked
             mask = causal[pos] if masked else None
             ref = A.reference_decode_attention(q, k, v, mask).float()
@@ -75,6 +79,9 @@ def main():
                 "fusekern": lambda: fused(q, k, v, causal, pos),
                 "fusekern_kernel": lambda: A.decode_attention(q, k, v, mask),
             }
+            if masked:  # every token read, the masked ones too
+                variants["fusekern_kernel_read_all"] = lambda: A.decode_attention(q, k, v, mask,
+                                                                                  skip_masked_tokens=False)
             for n in filter(None, args.splits.split(",")):
                 variants[f"fusekern_kernel_splits{n}"] = (lambda n=int(n): A.decode_attention(q, k, v, mask,
                                                                                                num_splits=n))
@@ -87,7 +94,8 @@ def main():
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     print(f"B={B} S={S} {name}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
-                row = dict(case=case, B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, mask="bool" if masked else "none",
+                row = dict(case=case, B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, position=at if masked else "",
+                           mask="bool" if masked else "none",
                            variant=name, fired=fired if name == "fusekern" else "", us=round(us, 2),
                            us_cudagraph=round(us_graph, 2), rel_err=f"{err:.2e}", floor_us=round(floor, 2),
                            x_floor_cudagraph=round(us_graph / floor, 2), **versions())

@@ -88,6 +88,16 @@ def test_kernel_matches_reference(dtype, B, Hq, Hkv, Lq, S, D, splits, mask):
     check(q, k, v, make_mask(mask, B, Hq, Lq, S, dtype), num_splits=splits)
 
 
+@pytest.mark.parametrize("mask", ["causal_rows", "bool_full", "bias"])
+def test_skipping_masked_tokens_gives_the_same_result(mask):
+    """Tokens no row attends to are not read by default; reading them too changes nothing."""
+    q, k, v = make(B=2, Hq=8, Hkv=2, Lq=1, S=150, D=64)
+    m = make_mask(mask, 2, 8, 1, 150, BF16)
+    skipped = check(q, k, v, m, num_splits=3)
+    read = check(q, k, v, m, num_splits=3, skip_masked_tokens=False)
+    assert torch.equal(skipped, read)
+
+
 def test_fully_masked_row_is_zero():
     q, k, v = make(S=70)
     m = make_mask("bool_full", 2, 8, 1, 70, BF16)

@@ -15,7 +15,10 @@ Design: ``fp8_kv_attention``'s split-KV program with 16-bit tiles. A program own
 KV head (the G = Hq / Hkv heads times Lq, padded to ROWS >= 16 for the tensor cores) and one chunk of
 the sequence, so each K / V byte is read once; the last program of a KV head to finish merges the
 chunks' partials (same workspace, counters and merge). The mask is read where it lies (bool as bytes,
-or the bias in its own dtype, broadcast dims at stride 0): no [B, Hq, Lq, S] copy.
+or the bias in its own dtype, broadcast dims at stride 0): no [B, Hq, Lq, S] copy. The mask tile is read
+before K and V, and a token that no row of the program attends to is not read (its loads are predicated
+off): a static cache (one compiled graph for every position, as the demo's and Hugging Face's
+StaticCache are) is read up to the current position, not to its end.
 
 Fully masked rows: softmax over nothing. PyTorch's SDPA (math and CPU flash paths) returns 0 there, and
 so does this kernel: a chunk with no live token leaves an empty partial (max -inf, sum 0), the merge
@@ -43,7 +46,7 @@ from fusekern.kernels.fp8_kv_attention import (
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "decode_attention-1"
+KERNEL_VERSION = "decode_attention-2"
 
 MASK_NONE, MASK_BOOL, MASK_BIAS = 0, 1, 2
 
@@ -78,7 +81,8 @@ def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
 
 @triton.jit
 def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, qk_scale, stride_ks, stride_vs,
-                    stride_ms, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, MASK: tl.constexpr):
+                    stride_ms, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, MASK: tl.constexpr,
+                    SKIP: tl.constexpr):
     """Online softmax of the program's rows against tokens [lo, hi) of one KV head: (acc, max, sum) with
     scores in log2 units, acc not yet divided by the sum. A row with no live token so far keeps max
     -inf, sum 0 and acc 0 (its reference max is taken as 0, so no -inf - -inf)."""
@@ -90,22 +94,28 @@ def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, 
     for start in tl.range(lo, hi, BLOCK_S):
         tok = start + tl.arange(0, BLOCK_S)
         live = tok < hi
-        k = tl.load(k_head + tok[:, None] * stride_ks + d[None, :], mask=live[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
         keep = real[:, None] & live[None, :]
         if MASK == 1:  # bool (as bytes): True attends
             mv = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0)
             keep = keep & (mv != 0)
-        elif MASK == 2:  # additive bias in its own dtype, in log2 units like the scores
-            bias = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0.0)
-            scores = scores + bias.to(tl.float32) * 1.4426950408889634
+        elif MASK == 2:  # additive bias in its own dtype, in log2 units like the scores; -inf masks
+            bias = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0.0).to(tl.float32)
+            keep = keep & (bias != -float("inf"))
+        if SKIP:  # a token no row attends to is not read (a static cache past the current position)
+            read = tl.max(keep.to(tl.int32), axis=0) > 0
+        else:
+            read = live
+        k = tl.load(k_head + tok[:, None] * stride_ks + d[None, :], mask=read[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK == 2:
+            scores = scores + bias * 1.4426950408889634
         scores = tl.where(keep, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + tok[:, None] * stride_vs + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_head + tok[:, None] * stride_vs + d[None, :], mask=read[:, None], other=0.0)
         # p in two 16-bit parts (hi + lo: ~16 significant bits, bf16 alone keeps 8): the second MMA is free
         # in a kernel bound by reading K / V, and halves the error that rounding p adds to the output
         p_hi = p.to(v.dtype)
@@ -125,6 +135,7 @@ def decode_attention_kernel(
     stride_mb, stride_mh, stride_ml, stride_ms,
     stride_ob, stride_oh, stride_ol,
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr,
+    SKIP: tl.constexpr = False,
 ):
     """Program (b * HKV + kv_head, split): all G * LQ query rows of the KV head against tokens
     [split * CHUNK, min((split + 1) * CHUNK, S)); with SPLIT the last program of a KV head to finish merges
@@ -143,7 +154,7 @@ def decode_attention_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, S)
     acc, m_i, l_i = _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, qk_scale,
-                                    stride_ks, stride_vs, stride_ms, D, ROWS, BLOCK_S, MASK)
+                                    stride_ks, stride_vs, stride_ms, D, ROWS, BLOCK_S, MASK, SKIP)
     o_offs, _ = _query_rows(bh, HKV, G, LQ, stride_ob, stride_oh, stride_ol, ROWS)
     d = tl.arange(0, D)
     if not SPLIT:
@@ -223,12 +234,14 @@ def _mask_view(mask, shape):
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     sm_scale: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, *, num_splits: int | None = None,
+                     skip_masked_tokens: bool = True) -> torch.Tensor:
     """``softmax(q @ k^T * sm_scale + mask) @ v`` with GQA (as SDPA with ``enable_gqa``), [B, Hq, Lq, D].
 
     mask: None, bool (True attends; a fully masked row gives 0, as SDPA does) or a float bias,
     broadcastable to [B, Hq, Lq, S]. sm_scale: 1 / sqrt(D) by default. ``num_splits``: chunks per
-    sequence (default: ``kv_splits``)."""
+    sequence (default: ``kv_splits``). ``skip_masked_tokens``: K / V rows that no query row of a program
+    attends to are not read (their loads are predicated off; the result is the same)."""
     _check_inputs(q, k, v, mask)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -262,6 +275,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         *m_strides,
         out.stride(0), out.stride(1), out.stride(2),
         D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1, MASK=code,
+        SKIP=skip_masked_tokens and code != MASK_NONE,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
@@ -302,7 +316,7 @@ def aot_builds():
             stride_mb=0, stride_mh=0, stride_ml=S if code else 0, stride_ms=1 if code else 0,
             stride_ob=Hq * Lq * D, stride_oh=Lq * D, stride_ol=D,
         )
-        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=splits > 1, MASK=code)
+        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=splits > 1, MASK=code, SKIP=code != MASK_NONE)
         config = (f"{label}: {dt[1:]} D={D} ROWS={rows} BLOCK_S={block} splits={splits} mask={code} "
                   f"w{NUM_WARPS} s{NUM_STAGES} [B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} S={S}]")
         builds.append(TritonBuild("decode_attention", config, decode_attention_kernel, args, constexprs,
