@@ -161,6 +161,23 @@ def fp8_kv_attention(rows: list[dict]) -> list[str]:
     return out
 
 
+def decode_attention(rows: list[dict]) -> list[str]:
+    """Per (case, B, S, position): CUDA-graph µs of eager, stock, fusekern compiled and the kernel alone."""
+    cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
+            ("fusekern_kernel", "kernel"), ("fusekern_kernel_read_all", "kernel, masked tokens read")]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["case"], r["B"], r["S"], r.get("position", ""), r["floor_us"]), {})[r["variant"]] = r
+    out = ["| B | S | mask up to | floor (all K + V) | " + " | ".join(c[1] for c in cols) + " | stock / fusekern |",
+           "|---" * (len(cols) + 5) + "|"]
+    for (case, b, s, pos, floor), v in by.items():
+        cells = [_num(v[c]["us_cudagraph"]) if c in v else "–" for c, _ in cols]
+        ratio = (f"{float(v['stock_default']['us_cudagraph']) / float(v['fusekern']['us_cudagraph']):.2f}"
+                 if "stock_default" in v and "fusekern" in v else "–")
+        out.append(f"| {b} | {s} | {pos or 'no mask'} | {_num(floor)} | " + " | ".join(cells) + f" | {ratio} |")
+    return out
+
+
 def int4_mma(rows: list[dict]) -> list[str]:
     """int4 along K at decode sizes: the fastest config of each packed kernel and the dispatcher's choice
     (the register-decoded tensor-core kernel was named GptqMma in the first run)."""
@@ -210,7 +227,7 @@ def int4_mma_tma_sweep(rows: list[dict]) -> list[str]:
     return out
 
 
-TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
+TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_attention": decode_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
           "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma}

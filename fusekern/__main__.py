@@ -49,7 +49,8 @@ BENCHMARKS = {
                        ("bench_decode_mm.py", "decode_mm_shapes.csv",
                         ("--shapes", ISSUE4_SHAPES, "--autotune", "--formats", "gptq,int4_k_stack,mxfp4,fp8_channel"))),
     "scale_folding": (("bench_scaled_mm.py", "scaled_mm.csv", ()),
-                      ("bench_fp8_kv_attention.py", "fp8_kv_attention.csv", ())),
+                      ("bench_fp8_kv_attention.py", "fp8_kv_attention.csv", ()),
+                      ("bench_decode_attention.py", "decode_attention.csv", ())),
     "sampling": (("bench_sampler.py", "sampler.csv", ()), ("bench_greedy_mask.py", "greedy_mask.csv", ())),
     "end_to_end": (("bench_e2e_decode.py", "e2e_decode.csv", ()),),
 }

@@ -285,7 +285,7 @@ def _gpu_time(run, reps: int = 3, launches: int = 10) -> float:
              for _ in range(launches if COLD_L2 else 1)]
     times = []
     for _ in range(reps):
-        torch.cuda._sleep(8_000_000)  # ~4 ms: the host queues every launch (and flush) before it ends
+        torch.cuda._sleep(12_000_000)  # ~6 ms: the host queues every launch (and flush) before it ends
         if COLD_L2:
             for start, end in pairs:
                 flush.zero_()
