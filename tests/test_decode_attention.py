@@ -98,6 +98,18 @@ def test_skipping_masked_tokens_gives_the_same_result(mask):
     assert torch.equal(skipped, read)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_bias_of_finfo_min_masks_like_sdpa(dtype):
+    """Hugging Face masks with finfo(dtype).min, not -inf: finite after the kernel's log2 scaling too, so a
+    row masked everywhere averages V (as SDPA does) and a partly masked row ignores those tokens."""
+    q, k, v = make(B=1, Hq=4, Hkv=2, S=64, D=64)
+    bias = torch.zeros(1, 4, 1, 64, dtype=dtype)
+    bias[:, 1] = torch.finfo(dtype).min  # head 1: every token
+    bias[:, 2, :, 10:] = torch.finfo(dtype).min  # head 2: all but ten
+    out = check(q, k, v, bias.to(DEVICE), num_splits=2)
+    assert out[0, 1].abs().max() > 0
+
+
 def test_fully_masked_row_is_zero():
     q, k, v = make(S=70)
     m = make_mask("bool_full", 2, 8, 1, 70, BF16)

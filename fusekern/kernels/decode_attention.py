@@ -46,7 +46,7 @@ from fusekern.kernels.fp8_kv_attention import (
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "decode_attention-2"
+KERNEL_VERSION = "decode_attention-3"
 
 MASK_NONE, MASK_BOOL, MASK_BIAS = 0, 1, 2
 
@@ -101,6 +101,9 @@ def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, 
         elif MASK == 2:  # additive bias in its own dtype, in log2 units like the scores; -inf masks
             bias = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0.0).to(tl.float32)
             keep = keep & (bias != -float("inf"))
+            # finite stays finite: a mask of finfo.min (Hugging Face's) times log2(e) would overflow to -inf,
+            # and a row masked that way everywhere averages V in SDPA instead of giving 0
+            bias = tl.minimum(tl.maximum(bias * 1.4426950408889634, -3.4028234663852886e38), 3.4028234663852886e38)
         if SKIP:  # a token no row attends to is not read (a static cache past the current position)
             read = tl.max(keep.to(tl.int32), axis=0) > 0
         else:
@@ -108,7 +111,7 @@ def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, 
         k = tl.load(k_head + tok[:, None] * stride_ks + d[None, :], mask=read[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * qk_scale
         if MASK == 2:
-            scores = scores + bias * 1.4426950408889634
+            scores = scores + bias
         scores = tl.where(keep, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -217,6 +220,8 @@ def _check_inputs(q, k, v, mask=None) -> None:
         if mask.dim() > 4 or not all(m in (1, w) for m, w in zip(reversed(mask.shape), (S, Lq, Hq, B))):
             raise ValueError(f"decode_attention: mask{tuple(mask.shape)} does not broadcast to "
                              f"{(B, Hq, Lq, S)}")
+        if mask.dim() >= 1 and (S - 1) * abs(mask.stride(-1)) >= 2**31:  # token offsets are int32
+            raise ValueError(f"decode_attention: the mask's token stride {mask.stride(-1)} overflows int32 at S={S}")
         tensors.append(mask)
     devices = {t.device for t in tensors}
     if len(devices) != 1:

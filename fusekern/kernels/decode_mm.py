@@ -217,7 +217,8 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
         ref = None
     best = fastest_correct(cands, lambda cfg, rows: functools.partial(decode_mm_triton, rows, leaves, text, bias,
                                                                       cfg, layout=layout),
-                           x, probe, _gpu_time, ref, f"a {prog.K}x{prog.N} weight")
+                           x, probe, functools.partial(_gpu_time, device=x.device), ref,
+                           f"a {prog.K}x{prog.N} weight")
     _tuned[key] = best = best or DequantConfig()
     return best
 
@@ -268,40 +269,48 @@ def fastest_correct(cands, run_of, x, probe, time_of, ref: torch.Tensor | None, 
 COLD_L2 = True
 
 
-def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
-    """Twice the L2 size, from the caching allocator (reused by other tensors once tuning is done)."""
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor | None:
+    """Twice the L2 size, from the caching allocator (reused by other tensors once tuning is done); None
+    when the memory is not there (the launches are then timed back to back, as without COLD_L2)."""
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-    return torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+    try:
+        return torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+    except torch.OutOfMemoryError:
+        return None
 
 
-def _gpu_time(run, reps: int = 3, launches: int = 10) -> float:
-    """Milliseconds of GPU time per ``run()``: the launches queue up behind a device-side sleep, so the
-    events time the kernels, not the Python that launches them (a small GEMV runs in less time than its
-    launch takes on the CPU; timing launches picked configs at random). With COLD_L2 each launch is timed
-    alone, after a write that evicts L2 (the write itself is outside the events)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = _l2_flush_buffer(device) if COLD_L2 else None
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(launches if COLD_L2 else 1)]
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(12_000_000)  # ~6 ms: the host queues every launch (and flush) before it ends
-        if COLD_L2:
-            for start, end in pairs:
-                flush.zero_()
+def _gpu_time(run, reps: int = 3, launches: int = 10, device: torch.device | None = None) -> float:
+    """Milliseconds of GPU time per ``run()`` on ``device`` (the current one by default): the launches
+    queue up behind a device-side sleep, so the events time the kernels, not the Python that launches them
+    (a small GEMV runs in less time than its launch takes on the CPU; timing launches picked configs at
+    random). With COLD_L2 each launch is timed alone, after a read of twice the L2 size (outside the
+    events) has replaced its lines with clean ones, as the other layers' weights leave them in a step."""
+    if device is None or device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(device):
+        flush = _l2_flush_buffer(device) if COLD_L2 else None
+        cold = flush is not None
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(launches if cold else 1)]
+        times = []
+        for _ in range(reps):
+            torch.cuda._sleep(12_000_000)  # ~6 ms: the host queues every launch (and flush) before it ends
+            if cold:
+                for start, end in pairs:
+                    flush.max()  # a read: the weights leave L2 and no dirty line is left to write back
+                    start.record()
+                    run()
+                    end.record()
+                pairs[-1][1].synchronize()
+                times.append(sum(start.elapsed_time(end) for start, end in pairs) / launches)
+            else:
+                start, end = pairs[0]
                 start.record()
-                run()
+                for _ in range(launches):
+                    run()
                 end.record()
-            pairs[-1][1].synchronize()
-            times.append(sum(start.elapsed_time(end) for start, end in pairs) / launches)
-        else:
-            start, end = pairs[0]
-            start.record()
-            for _ in range(launches):
-                run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / launches)
+                end.synchronize()
+                times.append(start.elapsed_time(end) / launches)
     return sorted(times)[reps // 2]
 
 

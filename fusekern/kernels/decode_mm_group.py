@@ -89,7 +89,7 @@ def tuned_choice(x, members, programs, layout):
                         dtype=x.dtype)
     refs = _separate(probe, members, programs, layout)  # each member's own tuned (and checked) kernel
     bounds = [dm.AGREEMENT.get(r.dtype, 1e-3) * (r.float().abs() + r.float().abs().mean()) for r in refs]
-    best, best_ms = SEPARATE, dm._gpu_time(lambda: _separate(x, members, programs, layout))
+    best, best_ms = SEPARATE, dm._gpu_time(lambda: _separate(x, members, programs, layout), device=x.device)
     for cfg in cands:
         try:
             outs = pg.gemv_group(probe, members, lay, K, Ns, cfg)
@@ -98,7 +98,7 @@ def tuned_choice(x, members, programs, layout):
             if any(not ((o.float() - r.float()).abs() <= b).all() for o, r, b in zip(outs, refs, bounds)):
                 log.warning("fusekern decode_mm_group: %s is off for %s: skipped", cfg, Ns)
                 continue
-            ms = dm._gpu_time(lambda: pg.gemv_group(x, members, lay, K, Ns, cfg))
+            ms = dm._gpu_time(lambda: pg.gemv_group(x, members, lay, K, Ns, cfg), device=x.device)
         except Exception as e:  # a config that does not compile or fit on this device: skip it
             log.warning("fusekern decode_mm_group: skipping %s for %s: %s", cfg, Ns, e)
             continue
