@@ -164,11 +164,11 @@ def fp8_kv_attention(rows: list[dict]) -> list[str]:
 def decode_attention(rows: list[dict]) -> list[str]:
     """Per (case, B, S, position): CUDA-graph µs of eager, stock, fusekern compiled and the kernel alone."""
     cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
-            ("fusekern_kernel", "kernel"), ("fusekern_kernel_read_all", "kernel, masked tokens read")]
+            ("fusekern_kernel", "kernel")]
     by: dict = {}
     for r in rows:
         by.setdefault((r["case"], r["B"], r["S"], r.get("position", ""), r["floor_us"]), {})[r["variant"]] = r
-    out = ["| B | S | mask up to | floor (all K + V) | " + " | ".join(c[1] for c in cols) + " | stock / fusekern |",
+    out = ["| B | S | mask up to | floor | " + " | ".join(c[1] for c in cols) + " | stock / fusekern |",
            "|---" * (len(cols) + 5) + "|"]
     for (case, b, s, pos, floor), v in by.items():
         cells = [_num(v[c]["us_cudagraph"]) if c in v else "–" for c, _ in cols]

@@ -15,14 +15,20 @@ Design: ``fp8_kv_attention``'s split-KV program with 16-bit tiles. A program own
 KV head (the G = Hq / Hkv heads times Lq, padded to ROWS >= 16 for the tensor cores) and one chunk of
 the sequence, so each K / V byte is read once; the last program of a KV head to finish merges the
 chunks' partials (same workspace, counters and merge). The mask is read where it lies (bool as bytes,
-or the bias in its own dtype, broadcast dims at stride 0): no [B, Hq, Lq, S] copy. The mask tile is read
-before K and V, and a token that no row of the program attends to is not read (its loads are predicated
-off): a static cache (one compiled graph for every position, as the demo's and Hugging Face's
-StaticCache are) is read up to the current position, not to its end.
+or the bias in its own dtype, broadcast dims at stride 0): no [B, Hq, Lq, S] copy. A bool mask's False
+entries add ``masked_value``: -inf (SDPA's bool semantics), or the finite minimum that inductor's CUDA
+lowering writes into the bias it makes of a bool mask (-65536 for bf16), so a rewritten graph computes
+what the bias did. (Not reading the tokens no row attends to, with the mask tile loaded first and the K /
+V loads predicated on it, was slower on the H200 even with half the tokens masked: 82.9 against 69.6 us
+at B = 8 over 8k tokens, since the loads then wait on the mask and are not pipelined.)
 
-Fully masked rows: softmax over nothing. PyTorch's SDPA (math and CPU flash paths) returns 0 there, and
-so does this kernel: a chunk with no live token leaves an empty partial (max -inf, sum 0), the merge
-skips it, and a row whose sum is 0 is written as 0.
+Where this kernel is slower than the library's (a long cache at B = 1, where one KV head's merge of 64
+partials is the tail, or B = 16 over 256 tokens on the H200), the CUDA op runs PyTorch's SDPA instead:
+the op times both on the first call of a shape and keeps the faster (``_choose``).
+
+Fully masked rows (with -inf): softmax over nothing. PyTorch's SDPA (math and CPU flash paths) returns 0
+there, and so does this kernel: a chunk with no live token leaves an empty partial (max -inf, sum 0), the
+merge skips it, and a row whose sum is 0 is written as 0.
 
 Input contract (checked, ``ValueError`` otherwise): q, k, v 4-D of one dtype, bf16 or fp16; k and v of
 one shape [B, Hkv, S, D], S >= 1, D in {64, 128, 256}, unit-stride last dim; Hq a multiple of Hkv;
@@ -46,7 +52,7 @@ from fusekern.kernels.fp8_kv_attention import (
 from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "decode_attention-3"
+KERNEL_VERSION = "decode_attention-4"
 
 MASK_NONE, MASK_BOOL, MASK_BIAS = 0, 1, 2
 
@@ -80,9 +86,18 @@ def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
 
 
 @triton.jit
-def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, qk_scale, stride_ks, stride_vs,
-                    stride_ms, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, MASK: tl.constexpr,
-                    SKIP: tl.constexpr):
+def _log2_units(bias):
+    """A bias in log2 units (as the scores are). Finite stays finite: a mask of finfo.min (Hugging Face's)
+    times log2(e) would overflow to -inf, and a row masked that way everywhere averages V in SDPA
+    instead of giving 0. -inf stays -inf."""
+    scaled = tl.minimum(tl.maximum(bias * 1.4426950408889634, -3.4028234663852886e38), 3.4028234663852886e38)
+    return tl.where(bias == -float("inf"), bias, scaled)
+
+
+@triton.jit
+def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, qk_scale, masked, stride_ks,
+                    stride_vs, stride_ms, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    MASK: tl.constexpr):
     """Online softmax of the program's rows against tokens [lo, hi) of one KV head: (acc, max, sum) with
     scores in log2 units, acc not yet divided by the sum. A row with no live token so far keeps max
     -inf, sum 0 and acc 0 (its reference max is taken as 0, so no -inf - -inf)."""
@@ -95,30 +110,21 @@ def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, 
         tok = start + tl.arange(0, BLOCK_S)
         live = tok < hi
         keep = real[:, None] & live[None, :]
-        if MASK == 1:  # bool (as bytes): True attends
-            mv = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0)
-            keep = keep & (mv != 0)
-        elif MASK == 2:  # additive bias in its own dtype, in log2 units like the scores; -inf masks
-            bias = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0.0).to(tl.float32)
-            keep = keep & (bias != -float("inf"))
-            # finite stays finite: a mask of finfo.min (Hugging Face's) times log2(e) would overflow to -inf,
-            # and a row masked that way everywhere averages V in SDPA instead of giving 0
-            bias = tl.minimum(tl.maximum(bias * 1.4426950408889634, -3.4028234663852886e38), 3.4028234663852886e38)
-        if SKIP:  # a token no row attends to is not read (a static cache past the current position)
-            read = tl.max(keep.to(tl.int32), axis=0) > 0
-        else:
-            read = live
-        k = tl.load(k_head + tok[:, None] * stride_ks + d[None, :], mask=read[:, None], other=0.0)
+        k = tl.load(k_head + tok[:, None] * stride_ks + d[None, :], mask=live[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASK == 2:
-            scores = scores + bias
+        if MASK == 1:  # bool (as bytes): True attends, False adds ``masked`` (-inf, or the graph's finite min)
+            mv = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0)
+            scores = tl.where(mv != 0, scores, scores + masked)
+        elif MASK == 2:  # additive bias in its own dtype, in log2 units like the scores
+            bias = tl.load(m_ptr + m_offs[:, None] + tok[None, :] * stride_ms, mask=keep, other=0.0).to(tl.float32)
+            scores = scores + _log2_units(bias)
         scores = tl.where(keep, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + tok[:, None] * stride_vs + d[None, :], mask=read[:, None], other=0.0)
+        v = tl.load(v_head + tok[:, None] * stride_vs + d[None, :], mask=live[:, None], other=0.0)
         # p in two 16-bit parts (hi + lo: ~16 significant bits, bf16 alone keeps 8): the second MMA is free
         # in a kernel bound by reading K / V, and halves the error that rounding p adds to the output
         p_hi = p.to(v.dtype)
@@ -131,14 +137,13 @@ def _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, 
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, cnt_ptr,
-    S, CHUNK, SPLITS, HKV, G, LQ, qk_scale,
+    S, CHUNK, SPLITS, HKV, G, LQ, qk_scale, masked,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mh, stride_ml, stride_ms,
     stride_ob, stride_oh, stride_ol,
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr,
-    SKIP: tl.constexpr = False,
 ):
     """Program (b * HKV + kv_head, split): all G * LQ query rows of the KV head against tokens
     [split * CHUNK, min((split + 1) * CHUNK, S)); with SPLIT the last program of a KV head to finish merges
@@ -157,7 +162,7 @@ def decode_attention_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, S)
     acc, m_i, l_i = _attend_chunk16(q_ptr, q_offs, real, m_ptr, m_offs, k_head, v_head, lo, hi, qk_scale,
-                                    stride_ks, stride_vs, stride_ms, D, ROWS, BLOCK_S, MASK, SKIP)
+                                    masked, stride_ks, stride_vs, stride_ms, D, ROWS, BLOCK_S, MASK)
     o_offs, _ = _query_rows(bh, HKV, G, LQ, stride_ob, stride_oh, stride_ol, ROWS)
     d = tl.arange(0, D)
     if not SPLIT:
@@ -228,6 +233,17 @@ def _check_inputs(q, k, v, mask=None) -> None:
         raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+FLT_MAX = 3.4028234663852886e38
+
+
+def _masked_log2(value: float) -> float:
+    """``masked_value`` in the kernel's log2 units: -inf stays, a finite value stays finite."""
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError("decode_attention: masked_value is NaN")
+    return value if math.isinf(value) and value < 0 else max(-FLT_MAX, min(FLT_MAX, value * LOG2E))
+
+
 def _mask_view(mask, shape):
     """(the mask as a [B, Hq, Lq, S] view the kernel reads, MASK code): bool as uint8 bytes."""
     if mask is None:
@@ -239,14 +255,13 @@ def _mask_view(mask, shape):
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     sm_scale: float | None = None, *, num_splits: int | None = None,
-                     skip_masked_tokens: bool = True) -> torch.Tensor:
+                     sm_scale: float | None = None, *, masked_value: float = -math.inf,
+                     num_splits: int | None = None) -> torch.Tensor:
     """``softmax(q @ k^T * sm_scale + mask) @ v`` with GQA (as SDPA with ``enable_gqa``), [B, Hq, Lq, D].
 
-    mask: None, bool (True attends; a fully masked row gives 0, as SDPA does) or a float bias,
-    broadcastable to [B, Hq, Lq, S]. sm_scale: 1 / sqrt(D) by default. ``num_splits``: chunks per
-    sequence (default: ``kv_splits``). ``skip_masked_tokens``: K / V rows that no query row of a program
-    attends to are not read (their loads are predicated off; the result is the same)."""
+    mask: None, bool (True attends, False adds ``masked_value``: with -inf a fully masked row gives 0, as
+    SDPA does) or a float bias, broadcastable to [B, Hq, Lq, S]. sm_scale: 1 / sqrt(D) by default.
+    ``num_splits``: chunks per sequence (default: ``kv_splits``)."""
     _check_inputs(q, k, v, mask)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -273,14 +288,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     m_arg, m_strides = (out, (0, 0, 0, 0)) if mv is None else (mv, mv.stride())
     decode_attention_kernel[(B * Hkv, splits)](
         q, k, v, m_arg, out, ws_acc, ws_ml, cnt,
-        S, chunk, splits, Hkv, G, Lq, float(sm_scale) * LOG2E,
+        S, chunk, splits, Hkv, G, Lq, float(sm_scale) * LOG2E, _masked_log2(masked_value),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *m_strides,
         out.stride(0), out.stride(1), out.stride(2),
         D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1, MASK=code,
-        SKIP=skip_masked_tokens and code != MASK_NONE,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
@@ -313,7 +327,7 @@ def aot_builds():
         args = dict(
             q_ptr=dt, k_ptr=dt, v_ptr=dt, m_ptr=m_ptr, out_ptr=dt, ws_acc_ptr="*fp32", ws_ml_ptr="*fp32",
             cnt_ptr="*i32", S=S, CHUNK=chunk, SPLITS=splits, HKV=Hkv, G=Hq // Hkv, LQ=Lq,
-            qk_scale=D ** -0.5 * LOG2E,
+            qk_scale=D ** -0.5 * LOG2E, masked=-65536.0 * LOG2E,
             stride_qb=Hq * Lq * D, stride_qh=Lq * D, stride_ql=D,
             stride_kb=Hkv * S * D, stride_kh=S * D, stride_ks=D,
             stride_vb=Hkv * S * D, stride_vh=S * D, stride_vs=D,
@@ -321,7 +335,7 @@ def aot_builds():
             stride_mb=0, stride_mh=0, stride_ml=S if code else 0, stride_ms=1 if code else 0,
             stride_ob=Hq * Lq * D, stride_oh=Lq * D, stride_ol=D,
         )
-        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=splits > 1, MASK=code, SKIP=code != MASK_NONE)
+        constexprs = dict(D=D, ROWS=rows, BLOCK_S=block, SPLIT=splits > 1, MASK=code)
         config = (f"{label}: {dt[1:]} D={D} ROWS={rows} BLOCK_S={block} splits={splits} mask={code} "
                   f"w{NUM_WARPS} s{NUM_STAGES} [B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} S={S}]")
         builds.append(TritonBuild("decode_attention", config, decode_attention_kernel, args, constexprs,
@@ -332,35 +346,41 @@ def aot_builds():
 # ----------------------------------------------------------------------------- reference
 
 
-def _scores_mask(mask, scores):
-    """(additive bias or None, keep mask or None) for ``scores`` [B, Hq, Lq, S]."""
+def _bias_of(mask, masked_value: float, dtype):
+    """The additive bias a mask stands for (None without one): a bool mask's False entries add masked_value."""
     if mask is None:
-        return None, None
+        return None
     if mask.dtype == torch.bool:
-        return None, mask.expand(scores.shape)
-    return mask.to(scores.dtype).expand(scores.shape), None
+        return torch.where(mask, 0.0, masked_value).to(dtype)
+    return mask.to(dtype)
 
 
-def _math(q, k, v, mask, sm_scale, dtype):
+def _math(q, k, v, mask, sm_scale, dtype, masked_value: float = -math.inf):
     B, Hq, _, D = q.shape
     G = Hq // k.shape[1]
     k = k.to(dtype).repeat_interleave(G, dim=1)
     v = v.to(dtype).repeat_interleave(G, dim=1)
     scores = (q.to(dtype) @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if sm_scale is None else sm_scale)
-    bias, keep = _scores_mask(mask, scores)
+    bias = _bias_of(mask, masked_value, dtype)
     if bias is not None:
         scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, -math.inf)
     # a row with nothing to attend to gives 0 (SDPA's math and CPU flash paths do the same)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return p @ v
 
 
-def reference_decode_attention(q, k, v, mask=None, sm_scale=None) -> torch.Tensor:
+def reference_decode_attention(q, k, v, mask=None, sm_scale=None, masked_value: float = -math.inf) -> torch.Tensor:
     """The graph being replaced, in float64 (not rounded to q's dtype: a test measures the kernel's error)."""
-    return _math(q, k, v, mask, sm_scale, torch.float64)
+    return _math(q, k, v, mask, sm_scale, torch.float64, masked_value)
+
+
+def torch_attention(q, k, v, mask, sm_scale, masked_value: float = -math.inf) -> torch.Tensor:
+    """The same attention through PyTorch's SDPA (the library kernels): the op's path where those are faster."""
+    if mask is not None and mask.dtype == torch.bool and not (math.isinf(masked_value) and masked_value < 0):
+        mask = torch.where(mask, 0.0, masked_value).to(q.dtype)  # the graph's own bias
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -368,24 +388,52 @@ def reference_decode_attention(q, k, v, mask=None, sm_scale=None) -> torch.Tenso
 
 torch.library.define(
     "fusekern::decode_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor? mask, float sm_scale) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor? mask, float sm_scale, float masked_value) -> Tensor",
 )
+
+_choice: dict = {}  # (shapes, strides, dtypes, mask layout, device) -> True: this kernel, False: PyTorch's SDPA
+
+
+def _layout(t):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
+    """Whether this kernel beats PyTorch's SDPA here: both timed on the first call of a shape (GPU time, K
+    / V out of L2, as a decode step reads them), the answer kept per shape and device. While a CUDA graph
+    is captured nothing can be timed: a shape not yet measured runs PyTorch's SDPA (never slower than the
+    graph the rewrite replaced)."""
+    from fusekern.kernels.decode_mm import _gpu_time
+
+    key = (_layout(q), _layout(k), _layout(v), _layout(mask), masked_value, q.device)
+    if key in _choice:
+        return _choice[key]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    ours = _gpu_time(lambda: decode_attention(q, k, v, mask, sm_scale, masked_value=masked_value),
+                     device=q.device)
+    theirs = _gpu_time(lambda: torch_attention(q, k, v, mask, sm_scale, masked_value), device=q.device)
+    _choice[key] = ours < theirs
+    return _choice[key]
 
 
 @torch.library.impl("fusekern::decode_attention", "CUDA")
-def _decode_attention_cuda(q, k, v, mask, sm_scale):
-    return decode_attention(q, k, v, mask, sm_scale)
+def _decode_attention_cuda(q, k, v, mask, sm_scale, masked_value=-math.inf):
+    _check_inputs(q, k, v, mask)
+    if _choose(q, k, v, mask, sm_scale, masked_value):
+        return decode_attention(q, k, v, mask, sm_scale, masked_value=masked_value)
+    return torch_attention(q, k, v, mask, sm_scale, masked_value)
 
 
 @torch.library.impl("fusekern::decode_attention", "CPU")
-def _decode_attention_cpu(q, k, v, mask, sm_scale):
+def _decode_attention_cpu(q, k, v, mask, sm_scale, masked_value=-math.inf):
     """fp32 math (the CPU path is correct, not fast)."""
     _check_inputs(q, k, v, mask)
-    return _math(q, k, v, mask, sm_scale, torch.float32).to(q.dtype)
+    return _math(q, k, v, mask, sm_scale, torch.float32, masked_value).to(q.dtype)
 
 
 @torch.library.register_fake("fusekern::decode_attention")
-def _decode_attention_fake(q, k, v, mask, sm_scale):
+def _decode_attention_fake(q, k, v, mask, sm_scale, masked_value=-math.inf):
     _check_inputs(q, k, v, mask)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

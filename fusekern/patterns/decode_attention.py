@@ -9,9 +9,10 @@ This rewrite reads the SDPA ops the same way ``fp8_kv_attention`` does (after it
 rewrite's) and replaces those whose K and V (through a GQA expansion) are in q's 16-bit dtype, whose
 query rows per KV head ((Hq / Hkv) * Lq) fit one program, with no dropout, not causal and a constant
 scale, with one ``fusekern::decode_attention`` call (split-KV, one launch). A mask stays a mask: a bool
-``attn_mask`` is passed as it is, and the bias inductor makes of one (``where(mask, 0, -inf)``, through
-views) is walked back to the bool, so the bias kernel goes away; any other float bias is read as it is.
-Prefill (many query rows) keeps the library kernel.
+``attn_mask`` is passed as it is, and the bias inductor makes of one (``where(mask, 0, c)`` through views,
+c = -inf on the CPU, the dtype's finite minimum on CUDA) is walked back to the bool and c, so the bias
+kernel goes away; any other float bias is read as it is. Prefill (many query rows) keeps the library
+kernel, and on CUDA the op itself runs PyTorch's SDPA for shapes where that measured faster.
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def _constant(n) -> float | None:
     return None
 
 
-def _bool_of_bias(bias: Node) -> tuple[Node, list[Node]] | None:
-    """(the bool mask, the views from it to the bias' shape) when ``bias`` is ``where(mask, 0, -inf)``
-    behind views, as inductor writes a bool ``attn_mask``; None otherwise."""
+def _bool_of_bias(bias: Node) -> tuple[Node, list[Node], float] | None:
+    """(the bool mask, the views from it to the bias' shape, the value False adds) when ``bias`` is
+    ``where(mask, 0, c)`` behind views, as inductor writes a bool ``attn_mask`` (c = -inf on the CPU, the
+    dtype's finite minimum on CUDA); None otherwise."""
     views, cur = [], bias
     while _is(cur, *MASK_VIEWS):
         views.append(cur)
@@ -53,18 +55,22 @@ def _bool_of_bias(bias: Node) -> tuple[Node, list[Node]] | None:
             and len(cur.args) == 3):
         return None
     cond, a, b = cur.args
-    cv = _val(cond)
-    if cv is None or cv.dtype != torch.bool or _constant(a) != 0.0 or _constant(b) != -math.inf:
+    cv, c = _val(cond), _constant(b)
+    if cv is None or cv.dtype != torch.bool or _constant(a) != 0.0 or c is None or math.isnan(c):
         return None
     if list(cv.shape) != list(_val(cur).shape):  # the condition broadcast by where: not the same elements
         return None
-    return cond, list(reversed(views))
+    bv = _val(bias)
+    if bv is not None and bv.dtype != torch.float32 and math.isfinite(c) and float(torch.tensor(c, dtype=bv.dtype)) != c:
+        return None  # the bias holds c rounded to its dtype: pass the bias itself
+    return cond, list(reversed(views)), c
 
 
-def _mask_argument(emit: _Emitter, mask, shape: list) -> Node | None:
-    """The mask node the kernel reads (bool, or a float bias), re-emitting views over a peeled bool."""
+def _mask_argument(emit: _Emitter, mask, shape: list) -> tuple[Node | None, float]:
+    """(the mask node the kernel reads: bool, or a float bias; what a bool mask's False adds), re-emitting
+    the views over a peeled bool."""
     if mask is None:
-        return None
+        return None, -math.inf
     mv = _val(mask)
     if mv is None:
         raise Decline("a mask that is not a tensor")
@@ -74,14 +80,14 @@ def _mask_argument(emit: _Emitter, mask, shape: list) -> Node | None:
                                                                                  reversed(shape))):
         raise Decline(f"a mask of shape {tuple(mv.shape)} that does not broadcast to {tuple(shape)}")
     if mv.dtype == torch.bool:
-        return mask
+        return mask, -math.inf
     peeled = _bool_of_bias(mask)
     if peeled is None:
-        return mask  # a real additive bias: read in its own dtype
-    cond, views = peeled
+        return mask, -math.inf  # a real additive bias: read in its own dtype
+    cond, views, value = peeled
     for view in views:
         cond = emit(view.target, cond, *view.args[1:], **view.kwargs)
-    return cond
+    return cond, value
 
 
 def plan_and_replace(graph: Graph, n: Node) -> str:
@@ -129,8 +135,8 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         except ValueError as e:
             raise Decline(str(e).removeprefix("decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [q, k_x, v_x])
-    mask_arg = _mask_argument(emit, mask, [B, Hq, Lq, kv.shape[2]])
-    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask_arg, float(scale))
+    mask_arg, masked_value = _mask_argument(emit, mask, [B, Hq, Lq, kv.shape[2]])
+    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask_arg, float(scale), masked_value)
     out.replace_all_uses_with(fused)
     _erase_dead(graph, [out, n, *k_gqa, *v_gqa])
     _erase_dead_inputs(graph, mask if isinstance(mask, Node) and mask_arg is not mask else None)
