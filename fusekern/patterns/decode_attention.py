@@ -8,11 +8,13 @@ for 1 MB of K / V on the H200), and a bool mask first becomes a bias tensor in a
 This rewrite reads the SDPA ops the same way ``fp8_kv_attention`` does (after it: an fp8 cache is that
 rewrite's) and replaces those whose K and V (through a GQA expansion) are in q's 16-bit dtype, whose
 query rows per KV head ((Hq / Hkv) * Lq) fit one program, with no dropout, not causal and a constant
-scale, with one ``fusekern::decode_attention`` call (split-KV, one launch). A mask stays a mask: a bool
-``attn_mask`` is passed as it is, and the bias inductor makes of one (``where(mask, 0, c)`` through views,
-c = -inf on the CPU, the dtype's finite minimum on CUDA) is walked back to the bool and c, so the bias
-kernel goes away; any other float bias is read as it is. Prefill (many query rows) keeps the library
-kernel, and on CUDA the op itself runs PyTorch's SDPA for shapes where that measured faster.
+scale, with one ``fusekern::decode_attention`` call (split-KV, one launch). The mask is passed as the
+graph has it: a bool ``attn_mask``, or the bias inductor makes of one (``where(mask, 0, c)``: c = -inf on
+the CPU, the dtype's finite minimum on CUDA), read by the kernel where it lies. (Walking that bias back to
+the bool saved its small kernel, ~0.4 us at the demo's B = 1 on the H200, but then the op's SDPA path had
+to rebuild it: at B = 16, where PyTorch's SDPA is the faster, that cost more than the graph it replaced.)
+Prefill (many query rows) keeps the library kernel, and on CUDA the op runs PyTorch's SDPA for shapes where
+that measured faster, so the rewrite costs no more than the graph's own SDPA plus the op's dispatch.
 """
 from __future__ import annotations
 
@@ -29,48 +31,10 @@ from fusekern.patterns.scale_folding_attention import SDPA_OPS, _arguments, _out
 aten = torch.ops.aten
 NAME = "decode_attention"
 
-# Views inductor puts between a mask's bias and the SDPA op; each is re-applied to the bool mask.
-MASK_VIEWS = (aten.expand.default, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
-              aten._unsafe_view.default)
-
-
-def _constant(n) -> float | None:
-    """The value of a 0-d constant: a Python number, or a ``full([], value)`` node."""
-    if isinstance(n, (int, float)) and not isinstance(n, bool):
-        return float(n)
-    if _is(n, aten.full.default) and list(n.args[0]) == [] and isinstance(n.args[1], (int, float)):
-        return float(n.args[1])
-    return None
-
-
-def _bool_of_bias(bias: Node) -> tuple[Node, list[Node], float] | None:
-    """(the bool mask, the views from it to the bias' shape, the value False adds) when ``bias`` is
-    ``where(mask, 0, c)`` behind views, as inductor writes a bool ``attn_mask`` (c = -inf on the CPU, the
-    dtype's finite minimum on CUDA); None otherwise."""
-    views, cur = [], bias
-    while _is(cur, *MASK_VIEWS):
-        views.append(cur)
-        cur = cur.args[0]
-    if not (_is(cur, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
-            and len(cur.args) == 3):
-        return None
-    cond, a, b = cur.args
-    cv, c = _val(cond), _constant(b)
-    if cv is None or cv.dtype != torch.bool or _constant(a) != 0.0 or c is None or math.isnan(c):
-        return None
-    if list(cv.shape) != list(_val(cur).shape):  # the condition broadcast by where: not the same elements
-        return None
-    bv = _val(bias)
-    if bv is not None and bv.dtype != torch.float32 and math.isfinite(c) and float(torch.tensor(c, dtype=bv.dtype)) != c:
-        return None  # the bias holds c rounded to its dtype: pass the bias itself
-    return cond, list(reversed(views)), c
-
-
-def _mask_argument(emit: _Emitter, mask, shape: list) -> tuple[Node | None, float]:
-    """(the mask node the kernel reads: bool, or a float bias; what a bool mask's False adds), re-emitting
-    the views over a peeled bool."""
+def _check_mask(mask, shape: list) -> None:
+    """Decline a mask the kernel cannot read (a bool or float tensor broadcastable to ``shape``)."""
     if mask is None:
-        return None, -math.inf
+        return
     mv = _val(mask)
     if mv is None:
         raise Decline("a mask that is not a tensor")
@@ -79,15 +43,6 @@ def _mask_argument(emit: _Emitter, mask, shape: list) -> tuple[Node | None, floa
     if mv.dim() > 4 or not all(_known(m == 1) or _known(m == w) for m, w in zip(reversed(mv.shape),
                                                                                  reversed(shape))):
         raise Decline(f"a mask of shape {tuple(mv.shape)} that does not broadcast to {tuple(shape)}")
-    if mv.dtype == torch.bool:
-        return mask, -math.inf
-    peeled = _bool_of_bias(mask)
-    if peeled is None:
-        return mask, -math.inf  # a real additive bias: read in its own dtype
-    cond, views, value = peeled
-    for view in views:
-        cond = emit(view.target, cond, *view.args[1:], **view.kwargs)
-    return cond, value
 
 
 def plan_and_replace(graph: Graph, n: Node) -> str:
@@ -135,29 +90,16 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         except ValueError as e:
             raise Decline(str(e).removeprefix("decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [q, k_x, v_x])
-    mask_arg, masked_value = _mask_argument(emit, mask, [B, Hq, Lq, kv.shape[2]])
-    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask_arg, float(scale), masked_value)
+    _check_mask(mask, [B, Hq, Lq, kv.shape[2]])
+    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask, float(scale), -math.inf)
     out.replace_all_uses_with(fused)
     _erase_dead(graph, [out, n, *k_gqa, *v_gqa])
-    _erase_dead_inputs(graph, mask if isinstance(mask, Node) and mask_arg is not mask else None)
     parts = [f"{qv.dtype} K/V".replace("torch.", "")]
     if Hq != kv.shape[1]:
         parts.append(f"GQA {Hq // kv.shape[1]}")
     if mask is not None:
-        parts.append("bool mask" if _val(mask_arg).dtype == torch.bool else "additive bias")
+        parts.append("bool mask" if _val(mask).dtype == torch.bool else "additive bias")
     return ", ".join(parts)
-
-
-def _erase_dead_inputs(graph: Graph, node: Node | None) -> None:
-    """The bias' own producers (the where, its constants, the views) once nothing reads them."""
-    frontier = [node] if node is not None else []
-    while frontier:
-        cur = frontier.pop()
-        if cur._erased or cur.users or cur.op != "call_function":
-            continue
-        inputs = list(cur.all_input_nodes)
-        graph.erase_node(cur)
-        frontier.extend(inputs)
 
 
 def rewrite_decode_attention(graph: Graph) -> int:
