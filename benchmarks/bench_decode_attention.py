@@ -44,6 +44,7 @@ CASES = {
 
 
 def main():
+    torch._inductor.config.fx_graph_cache = False  # each case runs the passes (the match count is real)
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--cases", default="demo,long")
