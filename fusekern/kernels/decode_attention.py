@@ -47,9 +47,8 @@ import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.fp8_kv_attention import (
-    HEAD_DIMS, LOG2E, MAX_ROWS, Q_DTYPES, _merge_splits, _query_rows, padded_rows, split_chunk,
+    LOG2E, Q_DTYPES, _merge_splits, _query_rows, _workspace, check_decode_shapes, padded_rows, split_chunk,
 )
-from fusekern.kernels.split_counters import split_counters
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
 KERNEL_VERSION = "decode_attention-4"
@@ -193,22 +192,9 @@ def _check_inputs(q, k, v, mask=None) -> None:
     if q.dtype not in Q_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"decode_attention: q, k, v must share one dtype, bf16 or fp16, got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"decode_attention: k{tuple(k.shape)} and v{tuple(v.shape)} differ")
+    check_decode_shapes("decode_attention", q, k, v)
     B, Hq, Lq, D = q.shape
-    _, Hkv, S, Dk = k.shape
-    if k.shape[0] != B or Dk != D:
-        raise ValueError(f"decode_attention: q{tuple(q.shape)} does not fit k{tuple(k.shape)} "
-                         "(batch and head dim must match)")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"decode_attention: head dim must be one of {HEAD_DIMS}, got {D}")
-    if S < 1 or Hkv < 1:
-        raise ValueError(f"decode_attention: empty KV cache {tuple(k.shape)} (softmax over nothing)")
-    if Hq % Hkv != 0:
-        raise ValueError(f"decode_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if (Hq // Hkv) * Lq > MAX_ROWS:
-        raise ValueError(f"decode_attention: (Hq / Hkv) * Lq = {(Hq // Hkv) * Lq} query rows per KV head; this "
-                         f"decode kernel takes at most {MAX_ROWS}")
+    S = k.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"decode_attention: k and v need a unit-stride head dim, got strides {k.stride()} and "
                          f"{v.stride()}")
@@ -279,9 +265,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         num_splits = kv_splits(B * Hkv, S, sm_count(q.device))
     chunk, splits = split_chunk(S, num_splits, block)
     if splits > 1:
-        ws_acc = torch.empty(B * Hkv * splits * rows * D, dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty(B * Hkv * splits * 2 * rows, dtype=torch.float32, device=q.device)
-        cnt = split_counters(q.device, B * Hkv)
+        ws_acc, ws_ml, cnt = _workspace(q.device, B * Hkv, splits, rows, D)
     else:
         ws_acc = ws_ml = cnt = out  # not read
     mv, code = _mask_view(mask, (B, Hq, Lq, S))

@@ -383,6 +383,28 @@ def fp8_kv_decode_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
+def check_decode_shapes(fn: str, q, k, v, k_name: str = "k", v_name: str = "v") -> None:
+    """ValueError (prefixed ``fn``) unless 4-D q [B, Hq, Lq, D] and one-shaped k, v [B, Hkv, S, D] fit a
+    split-KV decode program: D in HEAD_DIMS, S >= 1, Hq a multiple of Hkv, at most MAX_ROWS query rows
+    per KV head. Shared with ``decode_attention``."""
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: {k_name}{tuple(k.shape)} and {v_name}{tuple(v.shape)} differ")
+    B, Hq, Lq, D = q.shape
+    _, Hkv, S, Dk = k.shape
+    if k.shape[0] != B or Dk != D:
+        raise ValueError(f"{fn}: q{tuple(q.shape)} does not fit {k_name}{tuple(k.shape)} "
+                         "(batch and head dim must match)")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"{fn}: head dim must be one of {HEAD_DIMS}, got {D}")
+    if S < 1 or Hkv < 1:
+        raise ValueError(f"{fn}: empty KV cache {tuple(k.shape)} (softmax over nothing)")
+    if Hq % Hkv != 0:
+        raise ValueError(f"{fn}: Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if (Hq // Hkv) * Lq > MAX_ROWS:
+        raise ValueError(f"{fn}: (Hq / Hkv) * Lq = {(Hq // Hkv) * Lq} query rows per KV head; "
+                         f"this decode kernel takes at most {MAX_ROWS}")
+
+
 def _check_inputs(q, k8, k_scale, v8) -> None:
     """ValueError unless the tensors fit the kernel's contract (module docstring)."""
     if q.dim() != 4 or k8.dim() != 4 or v8.dim() != 4:
@@ -392,22 +414,9 @@ def _check_inputs(q, k8, k_scale, v8) -> None:
         raise ValueError(f"fp8_kv_decode_attention: q must be bf16 or fp16, got {q.dtype}")
     if k8.dtype != torch.float8_e4m3fn or v8.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_kv_decode_attention: k8 and v8 must be float8_e4m3fn, got {k8.dtype}, {v8.dtype}")
-    if k8.shape != v8.shape:
-        raise ValueError(f"fp8_kv_decode_attention: k8{tuple(k8.shape)} and v8{tuple(v8.shape)} differ")
+    check_decode_shapes("fp8_kv_decode_attention", q, k8, v8, "k8", "v8")
     B, Hq, Lq, D = q.shape
-    _, Hkv, S, Dk = k8.shape
-    if k8.shape[0] != B or Dk != D:
-        raise ValueError(f"fp8_kv_decode_attention: q{tuple(q.shape)} does not fit k8{tuple(k8.shape)} "
-                         "(batch and head dim must match)")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"fp8_kv_decode_attention: head dim must be one of {HEAD_DIMS}, got {D}")
-    if S < 1 or Hkv < 1:
-        raise ValueError(f"fp8_kv_decode_attention: empty KV cache {tuple(k8.shape)} (softmax over nothing)")
-    if Hq % Hkv != 0:
-        raise ValueError(f"fp8_kv_decode_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if (Hq // Hkv) * Lq > MAX_ROWS:
-        raise ValueError(f"fp8_kv_decode_attention: (Hq / Hkv) * Lq = {(Hq // Hkv) * Lq} query rows per KV head; "
-                         f"this decode kernel takes at most {MAX_ROWS}")
+    _, Hkv, S, _ = k8.shape
     if tuple(k_scale.shape) != (B, Hkv, S):
         raise ValueError(f"fp8_kv_decode_attention: k_scale must be {(B, Hkv, S)}, got {tuple(k_scale.shape)}")
     if k_scale.dtype not in SCALE_DTYPES:

@@ -24,9 +24,10 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_attention as kernel
+from fusekern.kernels.fp8_kv_attention import MAX_ROWS
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import Decline, _Emitter, _erase_dead, _is, _known, _val
-from fusekern.patterns.scale_folding_attention import SDPA_OPS, _arguments, _output, _strip_gqa
+from fusekern.patterns.scale_folding_attention import SDPA_OPS, decode_sdpa
 
 aten = torch.ops.aten
 NAME = "decode_attention"
@@ -46,38 +47,18 @@ def _check_mask(mask, shape: list) -> None:
 
 
 def plan_and_replace(graph: Graph, n: Node) -> str:
-    args = _arguments(n)
-    q, k, v = args["query"], args["key"], args["value"]
+    args, q, qv, scale, out, k_x, v_x, _, gqa = decode_sdpa(n)
     mask = args.get("attn_mask", args.get("attn_bias"))
-    if args.get("dropout_p", 0.0) not in (0, 0.0):
-        raise Decline("dropout")
-    if args.get("is_causal", False):
-        raise Decline("is_causal (top-left aligned): not a decode step over the whole cache")
-    qv = _val(q)
-    if qv is None or qv.dim() != 4 or qv.dtype not in kernel.Q_DTYPES:
-        raise Decline(f"q is not a 4-D bf16 / fp16 tensor ({None if qv is None else (qv.dtype, qv.dim())})")
     B, Hq, Lq, D = qv.shape
-    scale = args.get("scale")
-    if scale is None:
-        if not isinstance(D, int):
-            raise Decline("a symbolic head dim")
-        scale = 1.0 / math.sqrt(D)
-    if not isinstance(scale, (int, float)):
-        raise Decline("a scale that is not a constant")
-    out = _output(n)
-    k_x, k_group, k_gqa = _strip_gqa(k)
-    v_x, v_group, v_gqa = _strip_gqa(v)
-    if k_group != v_group:
-        raise Decline(f"K and V expanded for GQA by {k_group} and {v_group}")
     kv, vv = _val(k_x), _val(v_x)
     if kv is None or vv is None or kv.dtype != qv.dtype or vv.dtype != qv.dtype:
         raise Decline(f"K / V are not in q's dtype {qv.dtype} ({None if kv is None else kv.dtype}, "
                       f"{None if vv is None else vv.dtype})")
     if not isinstance(Hq, int) or not isinstance(Lq, int) or not isinstance(kv.shape[1], int):
         raise Decline("symbolic head counts or query length")
-    if (Hq // kv.shape[1]) * Lq > kernel.MAX_ROWS:
+    if (Hq // kv.shape[1]) * Lq > MAX_ROWS:
         raise Decline(f"{(Hq // kv.shape[1]) * Lq} query rows per KV head: prefill, not decode "
-                      f"(the kernel holds at most {kernel.MAX_ROWS})")
+                      f"(the kernel holds at most {MAX_ROWS})")
     tensors = [q, k_x, v_x] + ([mask] if isinstance(mask, Node) else [])
     devices = {_val(t).device for t in tensors if _val(t) is not None}
     if len(devices) != 1 or qv.device.type not in ("cpu", "cuda"):
@@ -91,9 +72,9 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
             raise Decline(str(e).removeprefix("decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [q, k_x, v_x])
     _check_mask(mask, [B, Hq, Lq, kv.shape[2]])
-    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask, float(scale), -math.inf)
+    fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask, scale, -math.inf)
     out.replace_all_uses_with(fused)
-    _erase_dead(graph, [out, n, *k_gqa, *v_gqa])
+    _erase_dead(graph, [out, n, *gqa])
     parts = [f"{qv.dtype} K/V".replace("torch.", "")]
     if Hq != kv.shape[1]:
         parts.append(f"GQA {Hq // kv.shape[1]}")

@@ -168,12 +168,13 @@ def _scale_vector(emit: _Emitter, factors: Factors, shape: list, dims: set[int],
     return vec, round_to
 
 
-def plan_and_replace(graph: Graph, n: Node) -> str:
+def decode_sdpa(n: Node) -> tuple:
+    """What both decode-attention rewrites read of an SDPA node: (its arguments, q, q's value, the scale,
+    the output node, k and v under their GQA expansion, the group size, the expansion's nodes). Declines
+    dropout, is_causal, a q that is not 4-D bf16 / fp16, a scale that is not a constant, and K and V
+    expanded by different groups."""
     args = _arguments(n)
     q, k, v = args["query"], args["key"], args["value"]
-    for name in ("attn_mask", "attn_bias"):
-        if args.get(name) is not None:
-            raise Decline("an attention mask / bias")
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         raise Decline("dropout")
     if args.get("is_causal", False):
@@ -194,6 +195,15 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     v_x, v_group, v_gqa = _strip_gqa(v)
     if k_group != v_group:
         raise Decline(f"K and V expanded for GQA by {k_group} and {v_group}")
+    return args, q, qv, float(scale), out, k_x, v_x, k_group, [*k_gqa, *v_gqa]
+
+
+def plan_and_replace(graph: Graph, n: Node) -> str:
+    args = _arguments(n)
+    for name in ("attn_mask", "attn_bias"):
+        if args.get(name) is not None:
+            raise Decline("an attention mask / bias")
+    args, q, qv, scale, out, k_x, v_x, k_group, gqa = decode_sdpa(n)
     k8, k_factors, k_nodes = _walk_cache(k_x, "K", {0, 1, 2})
     v8, v_factors, v_nodes = _walk_cache(v_x, "V", {0, 1})
     k8v, v8v = _val(k8), _val(v8)
@@ -215,10 +225,10 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     emit = _Emitter(graph, out, qv.fake_mode, [k8, v8, q])
     k_scale, k_round = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
     v_scale, v_round = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
-    fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, float(scale),
+    fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, scale,
                  k_scale_round=k_round, v_scale_round=v_round)
     out.replace_all_uses_with(fused)
-    _erase_dead(graph, [out, n, *k_gqa, *v_gqa, *k_nodes, *v_nodes])
+    _erase_dead(graph, [out, n, *gqa, *k_nodes, *v_nodes])
     parts = ["fp8 K/V"]
     if k_factors.rows:
         parts.append("per-token K scales")
