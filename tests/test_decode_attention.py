@@ -120,9 +120,9 @@ def test_fully_masked_row_is_zero():
 
 
 def test_non_contiguous_query():
-    q, k, v = make(B=2, Hq=8, Hkv=2, S=64)
-    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hq, 1, D] with head stride D
-    assert not qt.is_contiguous() or qt.stride(1) == 64
+    q, k, v = make(B=2, Hq=8, Hkv=2, Lq=2, S=64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hq, 2, D] laid out [B, 2, Hq, D]
+    assert qt.stride() == (2 * 8 * 64, 64, 8 * 64, 1) and not qt.is_contiguous()
     check(qt, k, v, None, num_splits=2)
     qd = q.repeat_interleave(2, dim=-1)[..., ::2]  # head dim stride 2: copied
     check(qd, k, v, None, num_splits=1)
