@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.fp8_kv_attention import (
-    LOG2E, Q_DTYPES, _merge_splits, _query_rows, _workspace, check_decode_shapes, padded_rows, split_chunk,
+    LOG2E, Q_DTYPES, _merge_splits, _query_rows, check_decode_shapes, padded_rows, split_chunk, split_plan,
 )
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
@@ -249,6 +249,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     SDPA does) or a float bias, broadcastable to [B, Hq, Lq, S]. sm_scale: 1 / sqrt(D) by default.
     ``num_splits``: chunks per sequence (default: ``kv_splits``)."""
     _check_inputs(q, k, v, mask)
+    return _launch(q, k, v, mask, sm_scale, masked_value, num_splits)
+
+
+def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None) -> torch.Tensor:
+    """``decode_attention`` on inputs already checked (the op checks once per call, then times or runs)."""
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k.shape
     if sm_scale is None:
@@ -263,11 +268,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     block = block_tokens(D, padded_rows(rows))
     if num_splits is None:
         num_splits = kv_splits(B * Hkv, S, sm_count(q.device))
-    chunk, splits = split_chunk(S, num_splits, block)
-    if splits > 1:
-        ws_acc, ws_ml, cnt = _workspace(q.device, B * Hkv, splits, rows, D)
-    else:
-        ws_acc = ws_ml = cnt = out  # not read
+    chunk, splits, ws_acc, ws_ml, cnt = split_plan(out, Hkv, S, rows, block, num_splits)
     mv, code = _mask_view(mask, (B, Hq, Lq, S))
     m_arg, m_strides = (out, (0, 0, 0, 0)) if mv is None else (mv, mv.stride())
     decode_attention_kernel[(B * Hkv, splits)](
@@ -387,15 +388,14 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
     / V out of L2, as a decode step reads them), the answer kept per shape and device. While a CUDA graph
     is captured nothing can be timed: a shape not yet measured runs PyTorch's SDPA (never slower than the
     graph the rewrite replaced)."""
-    from fusekern.kernels.decode_mm import _gpu_time
-
     key = (_layout(q), _layout(k), _layout(v), _layout(mask), masked_value, q.device)
     if key in _choice:
         return _choice[key]
     if torch.cuda.is_current_stream_capturing():
         return False
-    ours = _gpu_time(lambda: decode_attention(q, k, v, mask, sm_scale, masked_value=masked_value),
-                     device=q.device)
+    from fusekern.kernels.decode_mm import _gpu_time
+
+    ours = _gpu_time(lambda: _launch(q, k, v, mask, sm_scale, masked_value), device=q.device)
     theirs = _gpu_time(lambda: torch_attention(q, k, v, mask, sm_scale, masked_value), device=q.device)
     _choice[key] = ours < theirs
     return _choice[key]
@@ -405,7 +405,7 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
 def _decode_attention_cuda(q, k, v, mask, sm_scale, masked_value=-math.inf):
     _check_inputs(q, k, v, mask)
     if _choose(q, k, v, mask, sm_scale, masked_value):
-        return decode_attention(q, k, v, mask, sm_scale, masked_value=masked_value)
+        return _launch(q, k, v, mask, sm_scale, masked_value)
     return torch_attention(q, k, v, mask, sm_scale, masked_value)
 
 

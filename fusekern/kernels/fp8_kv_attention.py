@@ -476,6 +476,15 @@ def _workspace(device, batch_heads: int, splits: int, rows: int, D: int):
     return ws_acc, ws_ml, split_counters(device, batch_heads)
 
 
+def split_plan(out: torch.Tensor, Hkv: int, S: int, rows: int, block: int, num_splits: int):
+    """(tokens per split, splits, the acc and (max, sum) workspaces, the counters) of a split-KV launch
+    writing ``out`` [B, Hq, Lq, D]; with one split there is no workspace (``out`` stands in, not read)."""
+    chunk, splits = split_chunk(S, num_splits, block)
+    if splits == 1:
+        return chunk, splits, out, out, out
+    return (chunk, splits, *_workspace(out.device, out.shape[0] * Hkv, splits, rows, out.shape[-1]))
+
+
 def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, v8: torch.Tensor, v_scale,
                             sm_scale: float, *, k_scale_round: torch.dtype | None = None,
                             v_scale_round: torch.dtype | None = None, num_splits: int | None = None) -> torch.Tensor:
@@ -501,11 +510,7 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
     block = block_tokens(D, padded_rows(rows))
     if num_splits is None:
         num_splits = kv_splits(B * Hkv, S, sm_count(q.device))
-    chunk, splits = split_chunk(S, num_splits, block)
-    if splits > 1:
-        ws_acc, ws_ml, cnt = _workspace(q.device, B * Hkv, splits, rows, D)
-    else:
-        ws_acc = ws_ml = cnt = out  # not read
+    chunk, splits, ws_acc, ws_ml, cnt = split_plan(out, Hkv, S, rows, block, num_splits)
     kw, vw = _as_words(k8, "k8"), _as_words(v8, "v8")
     fp8_kv_decode_kernel[(B * Hkv, splits)](
         q, kw, k_scale, vw, vs, out, ws_acc, ws_ml, cnt,
