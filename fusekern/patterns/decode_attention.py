@@ -29,8 +29,8 @@ from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import Decline, _Emitter, _erase_dead, _is, _known, _val
 from fusekern.patterns.scale_folding_attention import SDPA_OPS, decode_sdpa
 
-aten = torch.ops.aten
 NAME = "decode_attention"
+
 
 def _check_mask(mask, shape: list) -> None:
     """Decline a mask the kernel cannot read (a bool or float tensor broadcastable to ``shape``)."""
@@ -49,7 +49,7 @@ def _check_mask(mask, shape: list) -> None:
 def plan_and_replace(graph: Graph, n: Node) -> str:
     args, q, qv, scale, out, k_x, v_x, _, gqa = decode_sdpa(n)
     mask = args.get("attn_mask", args.get("attn_bias"))
-    B, Hq, Lq, D = qv.shape
+    B, Hq, Lq, _ = qv.shape
     kv, vv = _val(k_x), _val(v_x)
     if kv is None or vv is None or kv.dtype != qv.dtype or vv.dtype != qv.dtype:
         raise Decline(f"K / V are not in q's dtype {qv.dtype} ({None if kv is None else kv.dtype}, "
@@ -65,13 +65,13 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         raise Decline(f"q, K / V and mask on {sorted(map(str, devices))}")
     if _val(out).dtype != qv.dtype:
         raise Decline(f"the attention output is {_val(out).dtype}, q is {qv.dtype}")
+    _check_mask(mask, [B, Hq, Lq, kv.shape[2]])  # (symbolic sizes compared without guards, before the kernel's check)
     with qv.fake_mode:
         try:
             kernel._check_inputs(qv, kv, vv, _val(mask) if isinstance(mask, Node) else None)
         except ValueError as e:
             raise Decline(str(e).removeprefix("decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [q, k_x, v_x])
-    _check_mask(mask, [B, Hq, Lq, kv.shape[2]])
     fused = emit(kernel.decode_attention_op.default, q, k_x, v_x, mask, scale, -math.inf)
     out.replace_all_uses_with(fused)
     _erase_dead(graph, [out, n, *gqa])

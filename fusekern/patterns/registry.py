@@ -31,7 +31,7 @@ STAGES = ("post_grad", "joint")
 # activation, 8-bit or decoded weight) so the dequant family still sees them, and it must take W8A8
 # forms before the structural decode rewrite would read them as weight-only.
 BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.scale_folding_attention",
-                   "fusekern.patterns.decode_attention",  # after fp8_kv_attention: an fp8 cache is its
+                   "fusekern.patterns.decode_attention",  # after fp8_kv_attention, whose fp8 caches these are
                    "fusekern.patterns.dequant_matmul",
                    "fusekern.patterns.sampling", "fusekern.patterns.sampling_greedy")
 ENTRY_POINT_GROUP = "fusekern.patterns"
