@@ -78,3 +78,13 @@ def check_and_time(fn, ref: torch.Tensor, rep: int = 50) -> tuple[float, float |
         return err, triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
     except Exception as e:
         return float("nan"), f"n/a ({type(e).__name__}: {str(e)[:80]})"
+
+
+def check_and_time_both(fn, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(relative error of ``fn()`` against ``ref``, median µs of ``do_bench`` (launch path included), median
+    µs of ``do_bench_cudagraph`` (GPU time)) for one variant of a benchmark; raises what ``fn`` raises."""
+    got = fn().float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    us_graph = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+    return err, us, us_graph

@@ -19,10 +19,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 import fusekern
-from bench_common import RowWriter, versions, warm_up_clocks
+from bench_common import RowWriter, check_and_time_both, versions, warm_up_clocks
 from fusekern.kernels import decode_attention as A
 
 BW = 4.3e12
@@ -85,10 +84,7 @@ def main():
                                                                                                num_splits=n))
             for name, f in variants.items():
                 try:
-                    got = f().float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    us = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") * 1e3
-                    us_graph = triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3
+                    err, us, us_graph = check_and_time_both(f, ref)
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     print(f"B={B} S={S} {name}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue

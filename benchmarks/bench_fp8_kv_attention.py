@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton.testing
 
-from bench_common import RowWriter, versions, warm_up_clocks
+from bench_common import RowWriter, check_and_time_both, versions, warm_up_clocks
 from fusekern.kernels import fp8_kv_attention as A
 
 BW = 4.3e12
@@ -63,11 +62,7 @@ def main():
                     q, k8, ks, v8, vs.view(Hkv), c, num_splits=n))
             for name, f in variants.items():
                 try:
-                    got = f().float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    us = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") * 1e3
-                    # GPU time alone: at decode sizes do_bench measures the host's launch path
-                    us_graph = triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3
+                    err, us, us_graph = check_and_time_both(f, ref)
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     print(f"B={B} S={S} {name}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
