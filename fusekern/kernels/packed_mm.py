@@ -30,6 +30,7 @@ import triton.language as tl
 
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import Int4Mma, int4_mma, layout_fits as int4_mma_fits
+from fusekern.kernels.int4_mma_n import Int4MmaN, int4_mma_n, layout_fits as int4_mma_n_fits
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -692,6 +693,8 @@ def fits(lay: PackedLayout, cfg) -> bool:
     share one scale group (the GEMV scales per word)."""
     if isinstance(cfg, Int4Mma):
         return int4_mma_fits(lay)
+    if isinstance(cfg, Int4MmaN):
+        return int4_mma_n_fits(lay)
     bk, bn = cfg.BLOCK_K, cfg.BLOCK_N
     if lay.pack_axis == "K" and bk % lay.per_word:
         return False
@@ -919,6 +922,8 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
         return dot(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, Int4Mma):
         return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
+    if isinstance(cfg, Int4MmaN):
+        return int4_mma_n(x, leaves, lay, K, N, cfg, bias, workspace, record)
     launches = []
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg, launches.append if record is not None else None)
     if launches:
@@ -1001,7 +1006,7 @@ def aot_builds():
         seen = set()
         for M in REPORT_MS:
             for cfg in dm._packed_candidates(M, N, K, 132, lay):
-                if cfg in seen or isinstance(cfg, Int4Mma):  # (int4_mma.aot_builds has those)
+                if cfg in seen or isinstance(cfg, (Int4Mma, Int4MmaN)):  # (their modules' aot_builds have those)
                     continue
                 seen.add(cfg)
                 ssk, ssn = _contiguous_strides(lay.scale_dims, -(-K // lay.group_k), -(-N // lay.group_n))
