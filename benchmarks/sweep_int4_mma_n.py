@@ -3,8 +3,9 @@
     python benchmarks/sweep_int4_mma_n.py [--csv OUT.csv] [--formats awq] [--shapes 8192x8192,...] [--ms 1,16]
 
 Per shape (N x K) and M: the dispatcher's other hand-tuned candidates (GEMV tiles, swap-AB ``packed_dot``
-tiles, decode + cuBLAS), then ``int4_mma_n`` at about 2, 4 and 8 programs per SM, with the next tile's words
-loaded ahead or not, and with the scale applied before the MMA. Every config is checked against the
+tiles, decode + cuBLAS), then ``int4_mma_n`` with the next tile's words
+loaded ahead or not, or through TMA, with the scale applied before or after the MMA, with and without a
+register cap (``configs``). Every config is checked against the
 float64 reference and timed in a CUDA graph (``do_bench_cudagraph``, median); the floor moves the codes,
 zeros and scales once at 4.3 TB/s.
 """
@@ -22,11 +23,16 @@ from fusekern.kernels import packed_mm as pm
 
 
 def configs(N: int, K: int, sms: int) -> list:
-    out = []
-    for per_sm in (2, 4, 8):
-        sk = imn.split_k_for(N, K, sms, per_sm)
-        out += [imn.Int4MmaN(sk, prefetch=True), imn.Int4MmaN(sk, prefetch=False),
-                imn.Int4MmaN(sk, prefetch=True, scale_first=True)]
+    """Direct words (the next tile's loaded ahead) or TMA words 3-4 deep; scaling before or after the MMA;
+    168 registers (3 programs per SM, the split sized for one wave of them) or capped at 128 (4 per SM:
+    only the scale-first variants fit without a spill, sm_90a)."""
+    N_ = imn.Int4MmaN
+    three, four = imn.split_k_for(N, K, sms, 3), imn.split_k_for(N, K, sms, 4)
+    out = [N_(three), N_(three, prefetch=False), N_(three, scale_first=True),
+           N_(four, scale_first=True, maxnreg=128), N_(2 * four, scale_first=True, maxnreg=128),
+           N_(three, False, tma=True, num_stages=3), N_(three, False, tma=True, num_stages=4, scale_first=True),
+           N_(four, False, tma=True, num_stages=3, scale_first=True, maxnreg=128),
+           N_(four, False, tma=True, num_stages=4, scale_first=True, maxnreg=128)]
     return list(dict.fromkeys(out))
 
 
@@ -35,6 +41,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--formats", default="awq")
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336,128256x4096")
+    ap.add_argument("--others", type=int, default=1, help="0: only int4_mma_n configs")
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
     warm_up_clocks()
@@ -50,7 +57,7 @@ def main():
                 ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
                 floor = floor_us(leaves, N, K, M)
                 others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
-                          if not isinstance(c, imn.Int4MmaN)]
+                          if not isinstance(c, imn.Int4MmaN)] if args.others else []
                 best = {}
                 for cfg in others + configs(N, K, sms):
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)

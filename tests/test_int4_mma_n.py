@@ -90,6 +90,31 @@ def test_bias_scale_first_and_strided_rows():
             assert rel_err(got.cpu(), want.cpu()) < TOL, cfg
 
 
+@pytest.mark.parametrize("offset", [0, 4], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_tma_words_and_register_cap(offset, split_k):
+    """Words through a TMA descriptor (zero-filled past N / 8 words), uneven splits carrying the next tile's
+    scale and zero across group boundaries; a base that is not 16-byte aligned, or rows of N / 8 words not a
+    multiple of 16 bytes, load directly; a register cap (a launch option) computes the same product."""
+    K, N, M = 640, 288, 3  # 36 words per row: rows 16-byte aligned, the second tile 4 words wide
+    _, lay, leaves, x = setup(K, N, M, seed=offset + split_k, fmt="awq")
+    q = leaves[lay.code]
+    if offset:  # the same codes, 4 bytes into a fresh buffer
+        flat = torch.empty(q.numel() * 4 + 16, dtype=torch.uint8, device=q.device)
+        view = flat[offset:offset + q.numel() * 4].view(torch.int32).view(q.shape)
+        view.copy_(q)
+        leaves = list(leaves)
+        leaves[lay.code] = view
+    assert (imn._tma_words(leaves[lay.code]) is None) == bool(offset)
+    assert imn._tma_words(torch.zeros(64, 33, dtype=torch.int32, device=DEVICE)) is None  # 132-byte rows
+    want = pm.packed_mm_reference(x, leaves, lay, K, N)
+    for cfg in (imn.Int4MmaN(split_k, tma=True, num_stages=3),
+                imn.Int4MmaN(split_k, tma=True, num_stages=4, scale_first=True, maxnreg=128),
+                imn.Int4MmaN(split_k, scale_first=True, maxnreg=128)):
+        got = run(x, leaves, lay, K, N, cfg)
+        assert not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL, cfg
+
+
 def test_through_the_dispatcher():
     K, N, M = 256, 256, 2
     prog, lay, leaves, x = setup(K, N, M, seed=2, fmt="awq")
@@ -117,9 +142,10 @@ def test_offered_only_where_it_computes_the_program():
     for M in (1, 4, 16):  # never first: select_config (no timing, dtype unknown) keeps the GEMV
         assert not isinstance(dm.select_config(M, 8192, 8192, layout=lay.to_text()), imn.Int4MmaN)
     for N, K in ((8192, 8192), (4096, 14336), (14336, 4096), (128256, 4096), (1024, 4096), (72, 384)):
-        for per_sm in (8, 4, 2):
+        for per_sm in (4, 3):  # one wave of programs where the grid allows a split at all
             sk = imn.split_k_for(N, K, 132, per_sm)
-            assert 1 <= sk <= 32 and (K // imn.BLOCK_K) % sk == 0
+            assert 1 <= sk <= min(32, K // imn.BLOCK_K)
+            assert sk == 1 or sk * -(-N // 256) <= per_sm * 132
 
 
 def test_bad_input_gets_a_clear_error():
@@ -131,7 +157,7 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="M <= 16"):
         imn.int4_mma_n(torch.randn(17, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
     with pytest.raises(ValueError, match="do not fit"):
-        imn.int4_mma_n(x, leaves, lay, K, N, imn.Int4MmaN(3))  # 3 splits of 4 K tiles
+        imn.int4_mma_n(x, leaves, lay, K, N, imn.Int4MmaN(5))  # 5 splits of 4 K tiles
     strided = list(leaves)
     strided[lay.code] = leaves[lay.code].t().contiguous().t()  # same values, column-major
     with pytest.raises(ValueError, match="contiguous"):

@@ -158,8 +158,10 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                              for per_sm in (4, 2))
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
-        # int4 packed along N (AWQ) on tensor cores, 256-column tiles, about 4 or 2 programs per SM
-        out += dict.fromkeys(imn.Int4MmaN(imn.split_k_for(N, K, sms, per_sm)) for per_sm in (4, 2))
+        # int4 packed along N (AWQ) on tensor cores, 256-column tiles (provisional: H200 sweep pending)
+        three, four = imn.split_k_for(N, K, sms, 3), imn.split_k_for(N, K, sms, 4)
+        out += [imn.Int4MmaN(three), imn.Int4MmaN(four, scale_first=True, maxnreg=128),
+                imn.Int4MmaN(three, False, tma=True, num_stages=4, scale_first=True)]
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 

@@ -51,11 +51,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX in 
 
 @dataclass(frozen=True)
 class Int4MmaN:
-    SPLIT_K: int = 8
+    SPLIT_K: int = 8  # K slices per column tile: any number up to the 64-deep K tiles (uneven by at most one)
     num_warps: int = 4  # one warpgroup (the row mapping assumes it)
-    prefetch: bool = True  # the next K tile's words are loaded before this tile is decoded
+    prefetch: bool = True  # the next K tile's words are loaded before this tile is decoded (direct loads)
     # bf16 scales: (q - z) * s rounded to bf16 before the MMA, as eager's dequantization rounds it
     scale_first: bool = False
+    tma: bool = False  # words through a TMA descriptor, pipelined num_stages deep (where aligned)
+    num_stages: int = 1
+    maxnreg: int | None = None  # a register cap per thread (Triton's launch option)
     BLOCK_N: int = BLOCK_N  # (fixed: for the tuner's cache keys and reports, which read BLOCK_N)
 
 
@@ -90,10 +93,9 @@ def layout_fits(lay: PackedLayout) -> bool:
 
 
 def split_k_for(N: int, K: int, sms: int, per_sm: int) -> int:
-    """About ``per_sm`` programs per SM: the largest divisor of the K tiles at most that many, and at most 32."""
-    tiles_k = K // BLOCK_K
-    want = max(1, min(cdiv(per_sm * sms, cdiv(N, BLOCK_N)), 32, tiles_k))
-    return max(d for d in range(1, want + 1) if tiles_k % d == 0)
+    """The most K slices that keep every program in one wave of ``per_sm`` programs per SM (at least 1, at
+    most 32 and the number of K tiles; slices may differ by one tile)."""
+    return max(1, min((per_sm * sms) // cdiv(N, BLOCK_N), 32, K // BLOCK_K))
 
 
 # ----------------------------------------------------------------------------- decode helpers
@@ -163,14 +165,17 @@ def _zero_n(z_ptr, g, ln, ZMODE: tl.constexpr, SZK: tl.constexpr, SZN: tl.conste
 
 
 @triton.jit(do_not_specialize=["M"])
-def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M,
+def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, M,
                       N: tl.constexpr, K: tl.constexpr, INV: tl.constexpr,
                       ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr, ZORD: tl.constexpr,
                       SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                      SCALE_FIRST: tl.constexpr):
-    """One 256-column tile of out^T over one K slice (whole 64-deep tiles). Leaves contiguous, strides and
-    shapes compile-time constants (the codes: N / 8 words per row)."""
+                      SCALE_FIRST: tl.constexpr, TMA: tl.constexpr = False):
+    """One 256-column tile of out^T over one K slice (whole 64-deep tiles, slices uneven by at most one).
+    Leaves contiguous, strides and shapes compile-time constants (the codes: N / 8 words per row).
+    TMA: the words come through ``q_desc`` ([K, N/8], 64 x 32 boxes), pipelined through shared memory by
+    Triton, and the next tile's scale and zero are loaded a tile ahead; else each thread loads its own
+    words (the next tile's ahead with PREFETCH)."""
     BLOCK_M: tl.constexpr = 16
     NW: tl.constexpr = N // 8  # words per row of codes
     pid_n = tl.program_id(0)
@@ -182,21 +187,31 @@ def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     TILES: tl.constexpr = K // _BLOCK_K
-    PER: tl.constexpr = TILES // SPLIT_K  # SPLIT_K divides TILES (split_k_for)
-    t0 = pid_k * PER
+    t0 = pid_k * TILES // SPLIT_K
+    t1 = (pid_k + 1) * TILES // SPLIT_K
     wp = q_ptr + jw[:, None] + tl.arange(0, _BLOCK_K)[None, :] * NW  # tile 0's words [32, 64]
     acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
-    if PREFETCH:
+    if TMA:
+        s_next = tl.load(s_ptr + (t0 // 2) * SSK + lc * SSN)
+        z_next = _zero_n(z_ptr, t0 // 2, lc, ZMODE, SZK, SZN, ZORD)
+    elif PREFETCH:
         words_next = _load_words_nc(wp + t0 * (_BLOCK_K * NW), ASM)
-    for t in range(t0, t0 + PER):
-        if PREFETCH:
-            words = words_next
-            words_next = _load_words_nc(wp + tl.minimum(t + 1, TILES - 1) * (_BLOCK_K * NW), ASM)
+    for t in range(t0, t1):
+        if TMA:
+            words = tl.trans(q_desc.load([t * _BLOCK_K, pid_n * 32]))
+            s = s_next.to(tl.float32)
+            z = z_next
+            gn = tl.minimum(t + 1, TILES - 1) // 2  # (the last tile loads its own again: in bounds, unused)
+            s_next = tl.load(s_ptr + gn * SSK + lc * SSN)
+            z_next = _zero_n(z_ptr, gn, lc, ZMODE, SZK, SZN, ZORD)
         else:
-            words = _load_words_nc(wp + t * (_BLOCK_K * NW), ASM)
-        g = t // 2
-        s = tl.load(s_ptr + g * SSK + lc * SSN).to(tl.float32)
-        z = _zero_n(z_ptr, g, lc, ZMODE, SZK, SZN, ZORD)
+            if PREFETCH:
+                words = words_next
+                words_next = _load_words_nc(wp + tl.minimum(t + 1, TILES - 1) * (_BLOCK_K * NW), ASM)
+            else:
+                words = _load_words_nc(wp + t * (_BLOCK_K * NW), ASM)
+            s = tl.load(s_ptr + (t // 2) * SSK + lc * SSN).to(tl.float32)
+            z = _zero_n(z_ptr, t // 2, lc, ZMODE, SZK, SZN, ZORD)
         wt = _minus_zero(_w_tile_n(words, ASM), z, ZMODE, C, ASM)
         k0 = t * _BLOCK_K
         xt = tl.load(x_ptr + offs_m[None, :] * K + k0 + tl.arange(0, _BLOCK_K)[:, None], mask=mmask[None, :],
@@ -243,7 +258,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError(f"int4_mma_n: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
         raise ValueError(f"int4_mma_n: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
-    if K % GROUP or N % 8 or (K // BLOCK_K) % cfg.SPLIT_K or cfg.num_warps != 4:
+    if K % GROUP or N % 8 or not 1 <= cfg.SPLIT_K <= K // BLOCK_K or cfg.num_warps != 4:
         raise ValueError(f"int4_mma_n: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         _check_leaves(leaves, lay, K, N)
@@ -292,14 +307,26 @@ def int4_mma_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: 
         ws = cnt = out
     q = leaves[lay.code]
     z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
+    desc = _tma_words(q) if cfg.tma else None
     launch = replay.launch(int4_mma_n_kernel, (tiles_n, cfg.SPLIT_K), (
-        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M), dict(
+        x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M), dict(
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET,
         PREFETCH=cfg.prefetch, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
-        num_warps=4, num_stages=1), rec)
+        TMA=desc is not None, num_warps=4, num_stages=cfg.num_stages if desc is not None else 1,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
+
+
+def _tma_words(q: torch.Tensor):
+    """A TMA descriptor of the words [K, N/8] in 64 x 32 boxes, or None where TMA cannot read them (a base
+    not 16-byte aligned, or rows of N/8 words not a multiple of 16 bytes): the kernel then loads directly."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if q.data_ptr() % 16 or q.shape[1] % 4:
+        return None
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), [BLOCK_K, 32])
 
 
 @functools.lru_cache(maxsize=256)  # (per call otherwise: the op runs per token)
@@ -335,10 +362,14 @@ def aot_builds():
     builds = []
     for cfg in cfgs:
         args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
-                    ws_ptr="*fp32", cnt_ptr="*i32", M=3)
+                    ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
+                    q_desc=f"tensordesc<i32[{BLOCK_K}, 32]>" if cfg.tma else None)
         ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, ASM=True, PREFETCH=cfg.prefetch,
-                  SCALE_FIRST=cfg.scale_first and st == "*bf16")
-        builds.append(TritonBuild("int4_mma_n", f"awq SPLIT_K={cfg.SPLIT_K} w4{' prefetch' if cfg.prefetch else ''}"
-                                  f"{' scale_first' if cfg.scale_first else ''} [{N}x{K}]",
-                                  int4_mma_n_kernel, args, ce, 4, 1))
+                  SCALE_FIRST=cfg.scale_first and st == "*bf16", TMA=cfg.tma)
+        what = f"tma s{cfg.num_stages}" if cfg.tma else "prefetch" if cfg.prefetch else "direct"
+        builds.append(TritonBuild("int4_mma_n", f"awq SPLIT_K={cfg.SPLIT_K} w4 {what}"
+                                  f"{' scale_first' if cfg.scale_first else ''}"
+                                  f"{f' maxnreg={cfg.maxnreg}' if cfg.maxnreg else ''} [{N}x{K}]",
+                                  int4_mma_n_kernel, args, ce, 4, cfg.num_stages if cfg.tma else 1,
+                                  maxnreg=cfg.maxnreg))
     return builds
