@@ -30,9 +30,10 @@ def configs(N: int, K: int, sms: int) -> list:
     three, four = imn.split_k_for(N, K, sms, 3), imn.split_k_for(N, K, sms, 4)
     out = [N_(three), N_(three, prefetch=False), N_(three, scale_first=True),
            N_(four, scale_first=True, maxnreg=128), N_(2 * four, scale_first=True, maxnreg=128),
-           N_(three, False, tma=True, num_stages=3), N_(three, False, tma=True, num_stages=4, scale_first=True),
-           N_(four, False, tma=True, num_stages=3, scale_first=True, maxnreg=128),
-           N_(four, False, tma=True, num_stages=4, scale_first=True, maxnreg=128)]
+           N_(three, prefetch=False, tma=True, num_stages=3), N_(three, prefetch=False, tma=True, num_stages=4,
+                                                                  scale_first=True),
+           N_(four, prefetch=False, tma=True, num_stages=3, scale_first=True, maxnreg=128),
+           N_(four, prefetch=False, tma=True, num_stages=4, scale_first=True, maxnreg=128)]
     return list(dict.fromkeys(out))
 
 

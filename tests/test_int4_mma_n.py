@@ -128,7 +128,9 @@ def test_offered_only_where_it_computes_the_program():
     _, lay, _, _ = setup(256, 64, 1, fmt="awq")
     mma = lambda M, lay, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                 if isinstance(c, imn.Int4MmaN)]
-    assert [c.SPLIT_K for c in mma(1, lay)] == [16, 8] and mma(16, lay, x_dtype=torch.bfloat16)
+    assert [(c.SPLIT_K, c.scale_first, c.tma) for c in mma(1, lay)] == [
+        (12, True, False), (8, True, False), (8, False, False), (12, True, True), (8, True, True)]
+    assert all(c.num_warps == 4 for c in mma(1, lay)) and mma(16, lay, x_dtype=torch.bfloat16)
     assert not mma(17, lay)                                 # x is padded to 16 rows
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
     assert not imn.layout_fits(dataclasses.replace(lay, group_k=64))  # a group per 128-deep pair of tiles

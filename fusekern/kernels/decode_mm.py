@@ -158,10 +158,15 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                              for per_sm in (4, 2))
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
-        # int4 packed along N (AWQ) on tensor cores, 256-column tiles (provisional: H200 sweep pending)
-        three, four = imn.split_k_for(N, K, sms, 3), imn.split_k_for(N, K, sms, 4)
-        out += [imn.Int4MmaN(three), imn.Int4MmaN(four, scale_first=True, maxnreg=128),
-                imn.Int4MmaN(three, False, tma=True, num_stages=4, scale_first=True)]
+        # int4 packed along N (AWQ) on tensor cores, 256-column tiles, K split for one wave of 2 or 3
+        # programs per SM (H200, benchmarks/results/h200/int4_mma_n_sweep.csv: scaling before the MMA and
+        # the fewer splits won at M = 16 and on 4096 x 4096, 3 per SM on the larger shapes at M = 1; a
+        # 128-register cap for 4 per SM and loading the next tile's words ahead did not help)
+        two, three = imn.split_k_for(N, K, sms, 2), imn.split_k_for(N, K, sms, 3)
+        out += dict.fromkeys([imn.Int4MmaN(three, scale_first=True), imn.Int4MmaN(two, scale_first=True),
+                              imn.Int4MmaN(two, prefetch=False),
+                              imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4),
+                              imn.Int4MmaN(two, prefetch=False, scale_first=True, tma=True, num_stages=4)])
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 
