@@ -227,10 +227,37 @@ def int4_mma_tma_sweep(rows: list[dict]) -> list[str]:
     return out
 
 
+def int4_mma_n_sweep(rows: list[dict]) -> list[str]:
+    """int4 packed along N on tensor cores: the fastest config of each direct-load variant per shape, with
+    its K split (rows that did not compile or fit are left out)."""
+    names = ("direct", "words ahead", "scale first", "scale first, 128 registers")
+    by: dict = {}
+    for r in rows:
+        cfg = r["config"]
+        if "tma=True" in cfg:
+            continue
+        try:
+            us = float(r["us"])
+        except ValueError:
+            continue
+        kind = (3 if "maxnreg=128" in cfg else 2) if "scale_first=True" in cfg else \
+            (1 if "prefetch=True" in cfg else 0)
+        cell = by.setdefault((r["format"], int(r["N"]), int(r["K"]), int(r["M"])), {"floor": float(r["floor_us"])})
+        if us < cell.get(kind, (math.inf,))[0]:
+            cell[kind] = (us, cfg.split("SPLIT_K=")[1].split(",")[0])
+    out = ["| format | N x K | M | floor | " + " | ".join(names) + " | × floor (best) |", "|---" * 9 + "|"]
+    for (fmt, n, k, m), c in by.items():
+        cells = [f"{_num(c[i][0])} ({c[i][1]})" if i in c else "–" for i in range(4)]
+        best = min(c[i][0] for i in range(4) if i in c)
+        out.append(f"| {fmt} | {n} x {k} | {m} | {c['floor']:.1f} | " + " | ".join(cells) + f" | {best / c['floor']:.2f} |")
+    return out
+
+
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_attention": decode_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
-          "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma}
+          "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma,
+          "int4_mma_n_sweep": int4_mma_n_sweep}
 
 
 def render(name: str, results: str) -> list[str]:
