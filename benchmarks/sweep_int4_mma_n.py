@@ -1,6 +1,7 @@
 """int4 packed along N (AWQ) on tensor cores (``int4_mma_n``) against the kernels the dispatcher offered before.
 
     python benchmarks/sweep_int4_mma_n.py [--csv OUT.csv] [--formats awq] [--shapes 8192x8192,...] [--ms 1,16]
+                                          [--others 0|1] [--grid variants|dispatcher]
 
 Per shape (N x K) and M: the dispatcher's other hand-tuned candidates (GEMV tiles, swap-AB ``packed_dot``
 tiles, decode + cuBLAS), then ``int4_mma_n`` with the next tile's words
@@ -22,10 +23,14 @@ from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import packed_mm as pm
 
 
-def configs(N: int, K: int, sms: int) -> list:
-    """Direct words (the next tile's loaded ahead) or TMA words 3-4 deep; scaling before or after the MMA;
+def configs(N: int, K: int, sms: int, grid: str = "variants") -> list:
+    """grid "dispatcher": the configs ``decode_mm`` offers (timed per shape on the first call). "variants":
+    direct words (the next tile's loaded ahead) or TMA words 3-4 deep; scaling before or after the MMA;
     168 registers (3 programs per SM, the split sized for one wave of them) or capped at 128 (4 per SM:
     only the scale-first variants fit without a spill, sm_90a)."""
+    if grid == "dispatcher":
+        lay = pm.REPORT_LAYOUTS["awq"][0]
+        return [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, imn.Int4MmaN)]
     N_ = imn.Int4MmaN
     three, four = imn.split_k_for(N, K, sms, 3), imn.split_k_for(N, K, sms, 4)
     out = [N_(three), N_(three, prefetch=False), N_(three, scale_first=True),
@@ -43,6 +48,7 @@ def main():
     ap.add_argument("--formats", default="awq")
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336,128256x4096")
     ap.add_argument("--others", type=int, default=1, help="0: only int4_mma_n configs")
+    ap.add_argument("--grid", default="variants", choices=("variants", "dispatcher"))
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
     warm_up_clocks()
@@ -60,7 +66,7 @@ def main():
                 others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
                           if not isinstance(c, imn.Int4MmaN)] if args.others else []
                 best = {}
-                for cfg in others + configs(N, K, sms):
+                for cfg in others + configs(N, K, sms, args.grid):
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
                     kind = type(cfg).__name__
                     row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg),
