@@ -253,11 +253,34 @@ def int4_mma_n_sweep(rows: list[dict]) -> list[str]:
     return out
 
 
+def int4_mma_n_vs_before(rows: list[dict]) -> list[str]:
+    """int4_mma_n against the kernels the dispatcher had for AWQ, in one run: the fastest config of each,
+    what the dispatcher would have picked before (the fastest of the others) and the speed-up over it."""
+    kinds = ("PackedGemv", "PackedDot", "PackedDequant", "Int4MmaN")
+    by: dict = {}
+    for r in rows:
+        try:
+            us = float(r["us"])
+        except ValueError:
+            continue
+        cell = by.setdefault((r["format"], int(r["N"]), int(r["K"]), int(r["M"])), {"floor": float(r["floor_us"])})
+        cell[r["kernel"]] = min(us, cell.get(r["kernel"], math.inf))
+    out = ["| format | N x K | M | floor | GEMV | swap-AB tile | decode + cuBLAS | int4_mma_n | × floor | × faster than "
+           "before |", "|---" * 10 + "|"]
+    for (fmt, n, k, m), c in by.items():
+        before = min(c.get(x, math.inf) for x in kinds[:3])
+        new = c.get("Int4MmaN", math.nan)
+        out.append(f"| {fmt} | {n} x {k} | {m} | {c['floor']:.1f} | "
+                   + " | ".join(_num(c.get(x, math.nan)) for x in kinds)
+                   + f" | {new / c['floor']:.2f} | {before / new:.1f} |")
+    return out
+
+
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_attention": decode_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
           "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma,
-          "int4_mma_n_sweep": int4_mma_n_sweep}
+          "int4_mma_n_sweep": int4_mma_n_sweep, "int4_mma_n_sweep_c8a9946": int4_mma_n_vs_before}
 
 
 def render(name: str, results: str) -> list[str]:
