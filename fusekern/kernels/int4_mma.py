@@ -365,14 +365,7 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     M = x.shape[0]
     tiles_n = cdiv(N, cfg.BLOCK_N)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if cfg.SPLIT_K > 1:
-        ws = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device,
-                                                                 dtype=torch.float32)
-        if tuple(ws.shape) != (cfg.SPLIT_K, M, N) or ws.dtype != torch.float32 or not ws.is_contiguous():
-            raise ValueError(f"int4_mma: workspace must be a contiguous float32 [{cfg.SPLIT_K}, {M}, {N}]")
-        cnt = split_counters(x.device, tiles_n)
-    else:
-        ws = cnt = out
+    ws, cnt = split_buffers(out, cfg.SPLIT_K, tiles_n, workspace, "int4_mma")
     q = _words_i32(leaves, lay)
     z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
     tma, desc = _tma_words(q, lay, cfg) if cfg.tma else (0, None)
@@ -385,6 +378,18 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
+
+
+def split_buffers(out: torch.Tensor, split_k: int, tiles_n: int, workspace, name: str):
+    """(fp32 partials [split_k, M, N], zeroed counters) for a launch split over K that reduces in place, or
+    (out, out) without a split (the kernel then does not touch them). workspace: the caller's partials."""
+    if split_k == 1:
+        return out, out
+    M, N = out.shape
+    ws = workspace if workspace is not None else torch.empty((split_k, M, N), device=out.device, dtype=torch.float32)
+    if tuple(ws.shape) != (split_k, M, N) or ws.dtype != torch.float32 or not ws.is_contiguous():
+        raise ValueError(f"{name}: workspace must be a contiguous float32 [{split_k}, {M}, {N}]")
+    return ws, split_counters(out.device, tiles_n)
 
 
 def _words_i32(leaves, lay: PackedLayout) -> torch.Tensor:

@@ -34,10 +34,10 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.int4_mma import _bf16_rounded, _load_words_nc, _minus_zero, _nibble, _round_to
+from fusekern.kernels.int4_mma import (_bf16_rounded, _load_words_nc, _minus_zero, _nibble, _round_to, _shape,
+                                       split_buffers)
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
-from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
 GROUP = 128       # scale / zero groups along K
@@ -343,10 +343,6 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
 _LEAVES_OK = LeafCache()
 
 
-def _shape(dims: tuple, rows_k: int, N: int) -> tuple[int, int]:
-    return (rows_k, N) if dims == ("k", "n") else (N, rows_k)
-
-
 def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
     groups = K // GROUP
     want = [(leaves[lay.code], (K, N // 8), (torch.int32,)),
@@ -372,14 +368,7 @@ def int4_mma_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: 
     M = x.shape[0]
     tiles_n = cdiv(N, BLOCK_N)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if cfg.SPLIT_K > 1:
-        ws = workspace if workspace is not None else torch.empty((cfg.SPLIT_K, M, N), device=x.device,
-                                                                 dtype=torch.float32)
-        if tuple(ws.shape) != (cfg.SPLIT_K, M, N) or ws.dtype != torch.float32 or not ws.is_contiguous():
-            raise ValueError(f"int4_mma_n: workspace must be a contiguous float32 [{cfg.SPLIT_K}, {M}, {N}]")
-        cnt = split_counters(x.device, tiles_n)
-    else:
-        ws = cnt = out
+    ws, cnt = split_buffers(out, cfg.SPLIT_K, tiles_n, workspace, "int4_mma_n")
     q = leaves[lay.code]
     z = leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else q
     desc = _tma_words(q) if cfg.tma else None
