@@ -39,15 +39,13 @@ def with_int_zeros(lay, leaves, groups, N, dims=("k", "n"), seed=0):
 
 
 @pytest.mark.parametrize("M", [1, 5, 16])
-@pytest.mark.parametrize("K,N,split_k,grouped", [(256, 256, 2, False), (384, 264, 3, False), (256, 512, 1, False),
-                                                 (512, 72, 8, False), (384, 264, 2, True), (512, 72, 4, True)],
-                         ids=["one_tile", "tail_three_splits", "no_split", "narrow_eight_splits", "groups_uneven",
-                              "groups_narrow"])
-def test_awq_matches_reference(K, N, split_k, grouped, M):
+@pytest.mark.parametrize("K,N,split_k", [(256, 256, 2), (384, 264, 3), (256, 512, 1), (512, 72, 8), (384, 264, 5)],
+                         ids=["one_tile", "tail_three_splits", "no_split", "narrow_eight_splits", "uneven_splits"])
+def test_awq_matches_reference(K, N, split_k, M):
     _, lay, leaves, x = setup(K, N, M, seed=K + N + M, fmt="awq")
     assert imn.layout_fits(lay) and lay.order == (0, 4, 1, 5, 2, 6, 3, 7)
     want = pm.packed_mm_reference(x, leaves, lay, K, N)
-    got = run(x, leaves, lay, K, N, imn.Int4MmaN(split_k, grouped=grouped))
+    got = run(x, leaves, lay, K, N, imn.Int4MmaN(split_k))
     assert not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL
 
 
@@ -84,8 +82,8 @@ def test_bias_scale_first_and_strided_rows():
     misaligned = torch.randn(M, K + 1, dtype=torch.bfloat16, device=DEVICE)[:, 1:]
     col_major = torch.randn(K, M, dtype=torch.bfloat16, device=DEVICE).t()
     cfgs = (imn.Int4MmaN(3), imn.Int4MmaN(3, prefetch=False), imn.Int4MmaN(2, scale_first=True),
-            imn.Int4MmaN(2, grouped=True), imn.Int4MmaN(3, scale_first=True, grouped=True))
-    for x, cfg in zip((misaligned, col_major, misaligned, col_major, misaligned), cfgs):
+            imn.Int4MmaN(3, prefetch=False, tma=True, num_stages=4, scale_first=True))
+    for x, cfg in zip((misaligned, col_major, misaligned, col_major), cfgs):
         for bias in (torch.randn(N, dtype=torch.bfloat16, device=DEVICE),
                      torch.randn(M, N, dtype=torch.float32, device=DEVICE)):
             want = pm.packed_mm_reference(x, leaves, lay, K, N, bias)
@@ -113,9 +111,7 @@ def test_tma_words_and_register_cap(offset, split_k):
     want = pm.packed_mm_reference(x, leaves, lay, K, N)
     for cfg in (imn.Int4MmaN(split_k, tma=True, num_stages=3),
                 imn.Int4MmaN(split_k, tma=True, num_stages=4, scale_first=True, maxnreg=128),
-                imn.Int4MmaN(split_k, scale_first=True, maxnreg=128),
-                imn.Int4MmaN(split_k, tma=True, num_stages=3, grouped=True),
-                imn.Int4MmaN(split_k, tma=True, num_stages=4, scale_first=True, grouped=True)):
+                imn.Int4MmaN(split_k, scale_first=True, maxnreg=128)):
         got = run(x, leaves, lay, K, N, cfg)
         assert not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL, cfg
 
@@ -133,9 +129,8 @@ def test_offered_only_where_it_computes_the_program():
     _, lay, _, _ = setup(256, 64, 1, fmt="awq")
     mma = lambda M, lay, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                 if isinstance(c, imn.Int4MmaN)]
-    assert [(c.SPLIT_K, c.scale_first, c.tma, c.grouped) for c in mma(1, lay)] == [
-        (12, True, False, False), (8, True, False, False), (8, False, False, False), (12, True, True, False),
-        (8, True, False, True), (12, True, True, True), (8, True, True, True)]
+    assert [(c.SPLIT_K, c.scale_first, c.tma) for c in mma(1, lay)] == [
+        (12, True, False), (8, True, False), (8, False, False), (12, True, True)]
     assert all(c.num_warps == 4 for c in mma(1, lay)) and mma(16, lay, x_dtype=torch.bfloat16)
     assert not mma(17, lay)                                 # x is padded to 16 rows
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
@@ -166,8 +161,6 @@ def test_bad_input_gets_a_clear_error():
         imn.int4_mma_n(torch.randn(17, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
     with pytest.raises(ValueError, match="do not fit"):
         imn.int4_mma_n(x, leaves, lay, K, N, imn.Int4MmaN(5))  # 5 splits of 4 K tiles
-    with pytest.raises(ValueError, match="do not fit"):
-        imn.int4_mma_n(x, leaves, lay, K, N, imn.Int4MmaN(3, grouped=True))  # 3 splits of 2 groups
     strided = list(leaves)
     strided[lay.code] = leaves[lay.code].t().contiguous().t()  # same values, column-major
     with pytest.raises(ValueError, match="contiguous"):

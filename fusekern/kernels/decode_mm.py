@@ -161,16 +161,12 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # int4 packed along N (AWQ) on tensor cores, 256-column tiles, K split for one wave of 2 or 3
         # programs per SM (H200, benchmarks/results/h200/int4_mma_n_sweep.csv: scaling before the MMA and
         # the fewer splits won at M = 16 and on 4096 x 4096, 3 per SM on the larger shapes at M = 1; a
-        # 128-register cap for 4 per SM and loading the next tile's words ahead did not help), by tiles or
-        # by groups, words loaded directly or through TMA
-        sk = lambda per_sm, grouped=False: imn.split_k_for(N, K, sms, per_sm, grouped)  # noqa: E731
-        out += dict.fromkeys([
-            imn.Int4MmaN(sk(3), scale_first=True), imn.Int4MmaN(sk(2), scale_first=True),
-            imn.Int4MmaN(sk(2), prefetch=False),
-            imn.Int4MmaN(sk(3), prefetch=False, scale_first=True, tma=True, num_stages=4),
-            imn.Int4MmaN(sk(2, True), prefetch=False, scale_first=True, grouped=True),
-            imn.Int4MmaN(sk(3, True), prefetch=False, scale_first=True, tma=True, num_stages=4, grouped=True),
-            imn.Int4MmaN(sk(2, True), prefetch=False, scale_first=True, tma=True, num_stages=4, grouped=True)])
+        # 128-register cap for 4 per SM and loading the next tile's words ahead did not help; TMA words
+        # 19.4 against 19.8 us at N = K = 8192, M = 1: int4_mma_n_dispatch_2f93f19.csv)
+        two, three = imn.split_k_for(N, K, sms, 2), imn.split_k_for(N, K, sms, 3)
+        out += dict.fromkeys([imn.Int4MmaN(three, scale_first=True), imn.Int4MmaN(two, scale_first=True),
+                              imn.Int4MmaN(two, prefetch=False),
+                              imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4)])
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 

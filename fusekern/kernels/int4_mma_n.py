@@ -17,9 +17,11 @@ the weights, split K reduced in the launch) with the packing on the MMA's row si
   pairs the halves of the words of k and k + 1, then one LOP3 per nibble gives the register
   (2 PRMT + 6 SHF + 8 LOP3 per 16 values, one more PRMT per 8 values than int4_mma's K packing).
 - K tiles of 64 (two per group of 128): a thread then decodes 16 words per tile, as int4_mma does per
-  128-deep tile of 128 columns; the next tile's words are loaded before this tile is decoded.
+  128-deep tile of 128 columns. The words come straight from global memory (optionally the next tile's
+  ahead) or through a TMA descriptor that Triton pipelines; K is split over programs sized for one wave.
 x's rows are padded to 16 (masked loads). The dispatcher times it against the GEMV per shape
-(``decode_mm._packed_candidates``).
+(``decode_mm._packed_candidates``). H200, AWQ, N = K = 8192: 19.4-19.8 us at M = 1 (the GEMV 57.3) and
+26.2 at M = 16 (decode + cuBLAS 112.1): README, "AWQ on tensor cores".
 
 Read top to bottom: config and layout check -> decode helpers -> kernel -> launcher -> builds.
 """
@@ -41,7 +43,6 @@ from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
 
 GROUP = 128       # scale / zero groups along K
-GROUP_K = tl.constexpr(GROUP)  # (the kernels' copy)
 BLOCK_K = 64      # the K tile: two per group
 _BLOCK_K = tl.constexpr(BLOCK_K)
 BLOCK_N = 256     # the column tile: 32 words per k, 8 values per thread and word (see the module doc)
@@ -52,7 +53,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX in 
 
 @dataclass(frozen=True)
 class Int4MmaN:
-    SPLIT_K: int = 8  # K slices per column tile: up to the 64-deep K tiles (groups if grouped), uneven by one at most
+    SPLIT_K: int = 8  # K slices per column tile: up to the number of 64-deep K tiles, uneven by one at most
     num_warps: int = 4  # one warpgroup (the row mapping assumes it)
     prefetch: bool = True  # the next K tile's words are loaded before this tile is decoded (direct loads)
     # bf16 scales: (q - z) * s rounded to bf16 before the MMA, as eager's dequantization rounds it
@@ -60,8 +61,6 @@ class Int4MmaN:
     tma: bool = False  # words through a TMA descriptor, pipelined num_stages deep (where aligned)
     num_stages: int = 1
     maxnreg: int | None = None  # a register cap per thread (Triton's launch option)
-    # K split by whole groups, one group (two tiles, one scale / zero load) per iteration (prefetch unused)
-    grouped: bool = False
     BLOCK_N: int = BLOCK_N  # (fixed: for the tuner's cache keys and reports, which read BLOCK_N)
 
 
@@ -95,10 +94,10 @@ def layout_fits(lay: PackedLayout) -> bool:
             and lay.group_k == GROUP and lay.group_n == 1)
 
 
-def split_k_for(N: int, K: int, sms: int, per_sm: int, grouped: bool = False) -> int:
+def split_k_for(N: int, K: int, sms: int, per_sm: int) -> int:
     """The most K slices that keep every program in one wave of ``per_sm`` programs per SM (at least 1, at
-    most 32 and the number of K tiles, or groups; slices may differ by one)."""
-    return max(1, min((per_sm * sms) // cdiv(N, BLOCK_N), 32, K // (GROUP if grouped else BLOCK_K)))
+    most 32 and the number of K tiles; slices may differ by one tile)."""
+    return max(1, min((per_sm * sms) // cdiv(N, BLOCK_N), 32, K // BLOCK_K))
 
 
 # ----------------------------------------------------------------------------- decode helpers
@@ -207,7 +206,9 @@ def _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n, t0
               K: tl.constexpr, NW: tl.constexpr, INV: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
               SZK: tl.constexpr, SZN: tl.constexpr, ZORD: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
               ASM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_FIRST: tl.constexpr, TMA: tl.constexpr):
-    """K tiles t0 .. t1 - 1, one per iteration (each loads its group's scale and zero)."""
+    """K tiles t0 .. t1 - 1, one per iteration (each loads its group's scale and zero: loading them once per
+    group of two tiles, with a group per iteration, ran no faster on the H200: 19.7 against 19.8 us at
+    N = K = 8192, M = 1, int4_mma_n_dispatch_2f93f19.csv; with TMA words 22.9 against 19.4)."""
     TILES: tl.constexpr = K // _BLOCK_K
     if TMA:  # the next tile's scale and zero are loaded a tile ahead (the words are pipelined)
         s_next = tl.load(s_ptr + (t0 // 2) * SSK + lc * SSN)
@@ -239,47 +240,17 @@ def _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n, t0
     return acc
 
 
-@triton.jit
-def _by_groups(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n, g0, g1,
-               K: tl.constexpr, NW: tl.constexpr, INV: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
-               SZK: tl.constexpr, SZN: tl.constexpr, ZORD: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
-               ASM: tl.constexpr, SCALE_FIRST: tl.constexpr, TMA: tl.constexpr):
-    """Groups g0 .. g1 - 1, one per iteration: the group's scale and zero are loaded (and laid out for the
-    MMA, a round trip through shared memory each) once for its two tiles, and its product scaled once."""
-    for g in range(g0, g1):
-        s = tl.load(s_ptr + g * SSK + lc * SSN).to(tl.float32)
-        z = _zero_n(z_ptr, g, lc, ZMODE, SZK, SZN, ZORD)
-        for h in tl.static_range(2):
-            t = 2 * g + h
-            if TMA:
-                words = tl.trans(q_desc.load([t * _BLOCK_K, pid_n * 32]))
-            else:
-                words = _load_words_nc(wp + t * (_BLOCK_K * NW), ASM)
-            wt = _minus_zero(_w_tile_n(words, ASM), z, ZMODE, C, ASM)
-            xt = _x_tile(x_ptr, t, offs_m, mmask, K)
-            if SCALE_FIRST:
-                acc = _mma(_scaled(wt, s, ASM), xt, acc, ASM)
-            elif h == 0:
-                d = _dot(wt, xt, ASM)
-            else:
-                d = _mma(wt, xt, d, ASM)
-        if not SCALE_FIRST:
-            acc += d * s[:, None]
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, M,
                       N: tl.constexpr, K: tl.constexpr, INV: tl.constexpr,
                       ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr, ZORD: tl.constexpr,
                       SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                      SCALE_FIRST: tl.constexpr, TMA: tl.constexpr = False, GROUPED: tl.constexpr = False):
-    """One 256-column tile of out^T over one K slice. Leaves contiguous, strides and shapes compile-time
-    constants (the codes: N / 8 words per row). K is split by 64-deep tiles (``_by_tiles``) or, GROUPED,
-    by whole groups of 128 (``_by_groups``); slices differ by at most one. TMA: the words come through
-    ``q_desc`` ([K, N/8], 64 x 32 boxes), pipelined through shared memory by Triton; else each thread
-    loads its own words (by tiles, the next tile's ahead with PREFETCH)."""
+                      SCALE_FIRST: tl.constexpr, TMA: tl.constexpr = False):
+    """One 256-column tile of out^T over one K slice of 64-deep tiles (slices differ by at most one tile).
+    Leaves contiguous, strides and shapes compile-time constants (the codes: N / 8 words per row). TMA: the
+    words come through ``q_desc`` ([K, N/8], 64 x 32 boxes), pipelined through shared memory by Triton;
+    else each thread loads its own words (the next tile's ahead with PREFETCH)."""
     BLOCK_M: tl.constexpr = 16
     NW: tl.constexpr = N // 8  # words per row of codes
     pid_n = tl.program_id(0)
@@ -292,16 +263,10 @@ def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     mmask = offs_m < M
     wp = q_ptr + jw[:, None] + tl.arange(0, _BLOCK_K)[None, :] * NW  # tile 0's words [32, 64]
     acc = tl.zeros((256, BLOCK_M), dtype=tl.float32)
-    if GROUPED:
-        GROUPS: tl.constexpr = K // GROUP_K
-        acc = _by_groups(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n,
-                         pid_k * GROUPS // SPLIT_K, (pid_k + 1) * GROUPS // SPLIT_K,
-                         K, NW, INV, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, SCALE_FIRST, TMA)
-    else:
-        TILES: tl.constexpr = K // _BLOCK_K
-        acc = _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n,
-                        pid_k * TILES // SPLIT_K, (pid_k + 1) * TILES // SPLIT_K,
-                        K, NW, INV, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, PREFETCH, SCALE_FIRST, TMA)
+    TILES: tl.constexpr = K // _BLOCK_K
+    acc = _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n,
+                    pid_k * TILES // SPLIT_K, (pid_k + 1) * TILES // SPLIT_K,
+                    K, NW, INV, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, PREFETCH, SCALE_FIRST, TMA)
     omask = mmask[None, :] & nmask[:, None]
     if SPLIT_K > 1:
         tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + ln[:, None], acc, mask=omask)
@@ -333,7 +298,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError(f"int4_mma_n: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
         raise ValueError(f"int4_mma_n: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
-    if K % GROUP or N % 8 or not 1 <= cfg.SPLIT_K <= K // (GROUP if cfg.grouped else BLOCK_K) or cfg.num_warps != 4:
+    if K % GROUP or N % 8 or not 1 <= cfg.SPLIT_K <= K // BLOCK_K or cfg.num_warps != 4:
         raise ValueError(f"int4_mma_n: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         _check_leaves(leaves, lay, K, N)
@@ -376,7 +341,7 @@ def int4_mma_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: 
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, desc, M), dict(
         **_constexprs(lay, K, N), HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET,
         PREFETCH=cfg.prefetch, SCALE_FIRST=cfg.scale_first and leaves[lay.scale].dtype == torch.bfloat16,
-        TMA=desc is not None, GROUPED=cfg.grouped, num_warps=4, num_stages=cfg.num_stages if desc is not None else 1,
+        TMA=desc is not None, num_warps=4, num_stages=cfg.num_stages if desc is not None else 1,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
@@ -429,9 +394,8 @@ def aot_builds():
                     ws_ptr="*fp32", cnt_ptr="*i32", M=3,  # M is not specialized (no hint)
                     q_desc=f"tensordesc<i32[{BLOCK_K}, 32]>" if cfg.tma else None)
         ce = dict(_constexprs(lay, K, N), HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, ASM=True, PREFETCH=cfg.prefetch,
-                  SCALE_FIRST=cfg.scale_first and st == "*bf16", TMA=cfg.tma, GROUPED=cfg.grouped)
-        what = f"tma s{cfg.num_stages}" if cfg.tma else "prefetch" if cfg.prefetch and not cfg.grouped else "direct"
-        what += " grouped" if cfg.grouped else ""
+                  SCALE_FIRST=cfg.scale_first and st == "*bf16", TMA=cfg.tma)
+        what = f"tma s{cfg.num_stages}" if cfg.tma else "prefetch" if cfg.prefetch else "direct"
         builds.append(TritonBuild("int4_mma_n", f"awq SPLIT_K={cfg.SPLIT_K} w4 {what}"
                                   f"{' scale_first' if cfg.scale_first else ''}"
                                   f"{f' maxnreg={cfg.maxnreg}' if cfg.maxnreg else ''} [{N}x{K}]",
