@@ -4,8 +4,8 @@ CPU: the kernel runs in the Triton interpreter (plain operations in place of its
 shapes: AWQ as the zoo writes it, the same codes in plain nibble order, zeros packed, constant or 8-bit,
 column tails (N not a multiple of the 256-column tile, nor of 8 words), every split of K, biases,
 misaligned and column-major rows, NaN-poisoned workspaces. The dispatcher offers it only for layouts it
-reads exactly and bf16 rows up to 16, and bad input gets a clear error. GPU: issue 4's sizes, every config
-the dispatcher offers, deterministic.
+reads exactly and bf16 rows up to 16, and bad input gets a clear error. GPU: issue 4's sizes (and column
+tails with and without TMA), every config the dispatcher offers, deterministic.
 """
 import dataclasses
 
@@ -49,14 +49,16 @@ def test_awq_matches_reference(K, N, split_k, M):
     assert not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL
 
 
-@pytest.mark.parametrize("variant", ["plain_order", "const_zero", "no_zero", "int_zeros_kn", "int_zeros_nk",
-                                     "zero_offset"])
+@pytest.mark.parametrize("variant", ["plain_order", "zero_order_only", "const_zero", "no_zero", "int_zeros_kn",
+                                     "int_zeros_nk", "zero_offset"])
 def test_layout_variants(variant):
     """The codes in plain nibble order, and each zero form the kernel reads, with scales either way round."""
     K, N, M = 256, 136, 3
     _, lay, leaves, x = setup(K, N, M, seed=7, fmt="awq")
     if variant == "plain_order":
         lay = dataclasses.replace(lay, order=SEQ8, zero_order=SEQ8)
+    elif variant == "zero_order_only":  # the zeros' order read apart from the codes'
+        lay = dataclasses.replace(lay, zero_order=SEQ8)
     elif variant == "const_zero":
         lay = dataclasses.replace(lay, zero="const", zero_value=8.0)
     elif variant == "no_zero":
@@ -75,15 +77,17 @@ def test_layout_variants(variant):
 
 
 def test_bias_scale_first_and_strided_rows():
-    """A bias in the epilogue and one added after (not a contiguous [N] vector), rows misaligned and
-    column-major, the scale applied before the MMA (bf16 scales), with and without the word prefetch."""
-    K, N, M = 384, 264, 4
+    """A bias in the epilogue (split K and not) and one added after (not a contiguous [N] vector), rows
+    misaligned and column-major, the scale applied before the MMA (bf16 scales), with and without the word
+    prefetch, and TMA words."""
+    K, N, M = 384, 288, 4  # 36 words per row: TMA reads them (16-byte rows), the second tile 4 words wide
     _, lay, leaves, _ = setup(K, N, M, seed=5, fmt="awq")
+    assert imn._tma_words(leaves[lay.code]) is not None
     misaligned = torch.randn(M, K + 1, dtype=torch.bfloat16, device=DEVICE)[:, 1:]
     col_major = torch.randn(K, M, dtype=torch.bfloat16, device=DEVICE).t()
     cfgs = (imn.Int4MmaN(3), imn.Int4MmaN(3, prefetch=False), imn.Int4MmaN(2, scale_first=True),
-            imn.Int4MmaN(3, prefetch=False, tma=True, num_stages=4, scale_first=True))
-    for x, cfg in zip((misaligned, col_major, misaligned, col_major), cfgs):
+            imn.Int4MmaN(3, prefetch=False, tma=True, num_stages=4, scale_first=True), imn.Int4MmaN(1))
+    for x, cfg in zip((misaligned, col_major, misaligned, col_major, misaligned), cfgs):
         for bias in (torch.randn(N, dtype=torch.bfloat16, device=DEVICE),
                      torch.randn(M, N, dtype=torch.float32, device=DEVICE)):
             want = pm.packed_mm_reference(x, leaves, lay, K, N, bias)
@@ -116,7 +120,7 @@ def test_tma_words_and_register_cap(offset, split_k):
         assert not got.isnan().any() and rel_err(got.cpu(), want.cpu()) < TOL, cfg
 
 
-def test_through_the_dispatcher():
+def test_through_decode_mm_triton():
     K, N, M = 256, 256, 2
     prog, lay, leaves, x = setup(K, N, M, seed=2, fmt="awq")
     cfg = imn.Int4MmaN(2)
@@ -129,8 +133,11 @@ def test_offered_only_where_it_computes_the_program():
     _, lay, _, _ = setup(256, 64, 1, fmt="awq")
     mma = lambda M, lay, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                 if isinstance(c, imn.Int4MmaN)]
-    assert [(c.SPLIT_K, c.scale_first, c.tma) for c in mma(1, lay)] == [
-        (12, True, False), (8, True, False), (8, False, False), (12, True, True)]
+    assert [(c.SPLIT_K, c.scale_first, c.prefetch, c.tma) for c in mma(1, lay)] == [
+        (12, True, True, False), (8, True, True, False), (8, False, False, False), (12, False, False, False),
+        (12, True, False, True)]
+    # rows of N / 8 words not a multiple of 16 bytes: no TMA config (it would run the direct loads)
+    assert not any(c.tma for c in dm._packed_candidates(1, 8200, 8192, 132, lay) if isinstance(c, imn.Int4MmaN))
     assert all(c.num_warps == 4 for c in mma(1, lay)) and mma(16, lay, x_dtype=torch.bfloat16)
     assert not mma(17, lay)                                 # x is padded to 16 rows
     assert not mma(1, lay, x_dtype=torch.float16)           # the MMA reads bf16
@@ -145,7 +152,7 @@ def test_offered_only_where_it_computes_the_program():
     for M in (1, 4, 16):  # never first: select_config (no timing, dtype unknown) keeps the GEMV
         assert not isinstance(dm.select_config(M, 8192, 8192, layout=lay.to_text()), imn.Int4MmaN)
     for N, K in ((8192, 8192), (4096, 14336), (14336, 4096), (128256, 4096), (1024, 4096), (72, 384)):
-        for per_sm in (4, 3):  # one wave of programs where the grid allows a split at all
+        for per_sm in (3, 2):  # one wave of programs where the grid allows a split at all
             sk = imn.split_k_for(N, K, 132, per_sm)
             assert 1 <= sk <= min(32, K // imn.BLOCK_K)
             assert sk == 1 or sk * -(-N // 256) <= per_sm * 132
@@ -173,7 +180,7 @@ def test_bad_input_gets_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("K,N", [(8192, 8192), (4096, 4104), (14336, 4096), (4096, 14336)])
+@pytest.mark.parametrize("K,N", [(8192, 8192), (4096, 4104), (4096, 4128), (14336, 4096), (4096, 14336)])
 def test_gpu_sizes(K, N, M):
     _, lay, leaves, x = setup(K, N, M, seed=K + N, fmt="awq")
     want = pm.packed_mm_reference(x, leaves, lay, K, N)

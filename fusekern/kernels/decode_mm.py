@@ -114,9 +114,10 @@ def select_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132, layout
 def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                        x_dtype: torch.dtype | None = None) -> list:
     """The hand-tuned kernels' configs for a problem size (``fusekern.kernels.packed_mm``): GEMV tiles
-    for a few rows, swap-AB tensor-core tiles up to 64 rows, the register-decoded int4 tensor-core kernel
-    (int4 along K) up to 64 rows of bf16 (never first: ``select_config``, used where nothing can be timed
-    and x's dtype is not known, keeps the kernels of every layout), and their decode + cuBLAS at any M.
+    for a few rows, swap-AB tensor-core tiles up to 64 rows, the register-decoded int4 tensor-core kernels
+    (int4 along K up to 64 rows, along N up to 16, of bf16; never first: ``select_config``, used where
+    nothing can be timed and x's dtype is not known, keeps the kernels of every layout), and their decode +
+    cuBLAS at any M.
     x_dtype: None where unknown."""
     out = []
     if M <= PACKED_GEMV_M_MAX:
@@ -159,14 +160,18 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
         # int4 packed along N (AWQ) on tensor cores, 256-column tiles, K split for one wave of 2 or 3
-        # programs per SM (H200, benchmarks/results/h200/int4_mma_n_sweep.csv: scaling before the MMA and
-        # the fewer splits won at M = 16 and on 4096 x 4096, 3 per SM on the larger shapes at M = 1; a
-        # 128-register cap for 4 per SM and loading the next tile's words ahead did not help; TMA words
-        # 19.4 against 19.8 us at N = K = 8192, M = 1: int4_mma_n_dispatch_2f93f19.csv)
+        # programs per SM. H200 (benchmarks/results/h200/int4_mma_n_sweep_c8a9946.csv, about 2 per SM:
+        # scaling before the MMA won at M = 16 on three of four shapes, the plain tile without the next
+        # tile's words loaded ahead on the fourth; int4_mma_n_sweep.csv, 3 per SM: scaling first won at
+        # M = 1 on the large shapes, the plain tile at M = 16 and on 4096 x 4096; a 128-register cap for
+        # 4 per SM did not help; int4_mma_n_dispatch_2f93f19.csv: TMA words 19.4 against 19.8 us at
+        # N = K = 8192, M = 1). TMA needs rows of N / 8 words a multiple of 16 bytes (else it would run
+        # the direct-load kernel under another name).
         two, three = imn.split_k_for(N, K, sms, 2), imn.split_k_for(N, K, sms, 3)
         out += dict.fromkeys([imn.Int4MmaN(three, scale_first=True), imn.Int4MmaN(two, scale_first=True),
-                              imn.Int4MmaN(two, prefetch=False),
-                              imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4)])
+                              imn.Int4MmaN(two, prefetch=False), imn.Int4MmaN(three, prefetch=False)]
+                             + [imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4)]
+                             * (N % 32 == 0))
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 

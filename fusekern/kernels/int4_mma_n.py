@@ -20,8 +20,9 @@ the weights, split K reduced in the launch) with the packing on the MMA's row si
   128-deep tile of 128 columns. The words come straight from global memory (optionally the next tile's
   ahead) or through a TMA descriptor that Triton pipelines; K is split over programs sized for one wave.
 x's rows are padded to 16 (masked loads). The dispatcher times it against the GEMV per shape
-(``decode_mm._packed_candidates``). H200, AWQ, N = K = 8192: 19.4-19.8 us at M = 1 (the GEMV 57.3) and
-26.2 at M = 16 (decode + cuBLAS 112.1): README, "AWQ on tensor cores".
+(``decode_mm._packed_candidates``). H200, AWQ, N = K = 8192: 19.4-19.8 us at M = 1 (the GEMV 57.3) and, in
+the first version's run (K split in 8, scale first), 26.2 at M = 16 (decode + cuBLAS 112.1): README, "AWQ on
+tensor cores".
 
 Read top to bottom: config and layout check -> decode helpers -> kernel -> launcher -> builds.
 """
@@ -203,7 +204,7 @@ def _scaled(wt, s, ASM: tl.constexpr):
 
 @triton.jit
 def _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n, t0, t1,
-              K: tl.constexpr, NW: tl.constexpr, INV: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
+              K: tl.constexpr, NW: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
               SZK: tl.constexpr, SZN: tl.constexpr, ZORD: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
               ASM: tl.constexpr, PREFETCH: tl.constexpr, SCALE_FIRST: tl.constexpr, TMA: tl.constexpr):
     """K tiles t0 .. t1 - 1, one per iteration (each loads its group's scale and zero: loading them once per
@@ -266,7 +267,7 @@ def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     TILES: tl.constexpr = K // _BLOCK_K
     acc = _by_tiles(acc, x_ptr, wp, q_desc, z_ptr, s_ptr, lc, offs_m, mmask, pid_n,
                     pid_k * TILES // SPLIT_K, (pid_k + 1) * TILES // SPLIT_K,
-                    K, NW, INV, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, PREFETCH, SCALE_FIRST, TMA)
+                    K, NW, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, PREFETCH, SCALE_FIRST, TMA)
     omask = mmask[None, :] & nmask[:, None]
     if SPLIT_K > 1:
         tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + ln[:, None], acc, mask=omask)
@@ -378,8 +379,7 @@ def _constexprs(lay: PackedLayout, K: int, N: int) -> dict:
 
 
 def aot_builds():
-    """The configs the dispatcher offers for AWQ at N = K = 8192 and M <= 16 (one split per variant: the
-    split does not change the code beyond its loop bounds)."""
+    """The configs the dispatcher offers for AWQ at N = K = 8192 and M <= 16 (each distinct config once)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS

@@ -909,10 +909,10 @@ def reduce_split_k(out: torch.Tensor, bias, dtype: torch.dtype, split_k: int) ->
 
 def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, bias=None,
               workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
-    """Run one config (GEMV, tensor-core tile, the register-decoded int4 tensor-core kernel, or decode +
+    """Run one config (GEMV, tensor-core tile, a register-decoded int4 tensor-core kernel, or decode +
     cuBLAS). A bias other than a contiguous [N] vector is added after the kernel, in fp32. workspace: the
     ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN). record:
-    called with a ``replay.Replay`` of the whole call (GEMV along K, tensor-core tile, int4_mma, decode +
+    called with a ``replay.Replay`` of the whole call (GEMV along K, tensor-core tile, int4_mma(_n), decode +
     cuBLAS), not with a workspace given or a bias added after the kernel."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
         return (packed_mm(x, leaves, lay, K, N, cfg, workspace=workspace).float() + bias.float()).to(x.dtype)
