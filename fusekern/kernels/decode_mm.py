@@ -169,9 +169,9 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # the direct-load kernel under another name).
         two, three = imn.split_k_for(N, K, sms, 2), imn.split_k_for(N, K, sms, 3)
         out += dict.fromkeys([imn.Int4MmaN(three, scale_first=True), imn.Int4MmaN(two, scale_first=True),
-                              imn.Int4MmaN(two, prefetch=False), imn.Int4MmaN(three, prefetch=False)]
-                             + [imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4)]
-                             * (N % 32 == 0))
+                              imn.Int4MmaN(two, prefetch=False), imn.Int4MmaN(three, prefetch=False)])
+        if N % 32 == 0:
+            out.append(imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4))
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 

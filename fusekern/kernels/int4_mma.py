@@ -335,22 +335,29 @@ _LEAVES_OK = LeafCache()  # leaf sets already checked for a layout and shape
 
 
 def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
-    groups = K // GROUP
     if _int32_words(lay):
-        want = [(leaves[lay.code], (K // 8, N), (torch.int32,))]
+        code = (K // 8, N), (torch.int32,)
     else:
-        want = [(leaves[lay.code], (N, K // 2), (torch.uint8,))]
+        code = (N, K // 2), (torch.uint8,)
         if leaves[lay.code].data_ptr() % 4:
             raise ValueError("int4_mma: the packed bytes must start 4-byte aligned (they are read as words)")
-    want.append((leaves[lay.scale], _shape(lay.scale_dims, groups, N), (torch.bfloat16, torch.float16,
-                                                                        torch.float32)))
+    check_group_leaves("int4_mma", leaves, lay, K, N, *code)
+
+
+def check_group_leaves(name: str, leaves, lay: PackedLayout, K: int, N: int, code_shape, code_dtypes) -> None:
+    """The codes (``code_shape``, one of ``code_dtypes``), the float scales per group of 128 and column and
+    the zero points (GPTQ-style nibbles ``[K/128, N/8]`` or 8-bit integers) are contiguous, of the shapes and
+    dtypes the int4 tensor-core kernels read; else a clear error naming the kernel."""
+    groups = K // GROUP
+    want = [(leaves[lay.code], code_shape, code_dtypes),
+            (leaves[lay.scale], _shape(lay.scale_dims, groups, N), (torch.bfloat16, torch.float16, torch.float32))]
     if lay.zero == "packed":
         want.append((leaves[lay.zero_leaf], (groups, N // 8), (torch.int32,)))
     elif lay.zero == "int":
         want.append((leaves[lay.zero_leaf], _shape(lay.zero_dims, groups, N), (torch.uint8, torch.int8)))
     for t, shape, dtypes in want:
         if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype not in dtypes:
-            raise ValueError(f"int4_mma: a leaf is {t.dtype} {tuple(t.shape)} with strides {t.stride()}, the "
+            raise ValueError(f"{name}: a leaf is {t.dtype} {tuple(t.shape)} with strides {t.stride()}, the "
                              f"kernel reads a contiguous {'/'.join(str(d) for d in dtypes)} {shape}")
 
 

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.int4_mma import (_bf16_rounded, _load_words_nc, _minus_zero, _nibble, _round_to, _shape,
-                                       split_buffers)
+from fusekern.kernels.int4_mma import (_bf16_rounded, _load_words_nc, _minus_zero, _nibble, _round_to,
+                                       check_group_leaves, split_buffers)
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
@@ -310,17 +310,7 @@ _LEAVES_OK = LeafCache()
 
 
 def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
-    groups = K // GROUP
-    want = [(leaves[lay.code], (K, N // 8), (torch.int32,)),
-            (leaves[lay.scale], _shape(lay.scale_dims, groups, N), (torch.bfloat16, torch.float16, torch.float32))]
-    if lay.zero == "packed":
-        want.append((leaves[lay.zero_leaf], (groups, N // 8), (torch.int32,)))
-    elif lay.zero == "int":
-        want.append((leaves[lay.zero_leaf], _shape(lay.zero_dims, groups, N), (torch.uint8, torch.int8)))
-    for t, shape, dtypes in want:
-        if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype not in dtypes:
-            raise ValueError(f"int4_mma_n: a leaf is {t.dtype} {tuple(t.shape)} with strides {t.stride()}, the "
-                             f"kernel reads a contiguous {'/'.join(str(d) for d in dtypes)} {shape}")
+    check_group_leaves("int4_mma_n", leaves, lay, K, N, (K, N // 8), (torch.int32,))
 
 
 def int4_mma_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4MmaN, bias=None,
