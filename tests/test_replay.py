@@ -4,7 +4,9 @@ activation layout replay its recorded Triton launch without the op's Python path
 CPU: a recorded launch keeps every argument in the kernel's signature order with tensors as addresses
 (no weight kept alive) and writes new values into named slots; the ops replay only for the very same
 leaves (and bias) and activation shape, strides, dtype and alignment, and record nothing while a CUDA graph
-is captured. GPU: every replay (GEMV, grouped GEMV, int4 tensor-core kernel; split K, bias, TMA, fp16)
+is captured. GPU: every replay (GEMV, grouped GEMV, the int4 tensor-core kernels (WGMMA for K- and N-packed
+codes, mma.sync for K-packed);
+split K, bias, TMA, fp16)
 and the paths that follow a launch with torch work (tensor-core tiles' split-K sums, decode + cuBLAS, the
 generated GEMM) give the first call's kernel's output bit for bit on new rows, into fresh (poisoned)
 memory.
@@ -17,6 +19,8 @@ import torch
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import decode_mm_group as dmg
 from fusekern.kernels import int4_mma as im
+from fusekern.kernels import int4_mma_n as imn
+from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
@@ -474,6 +478,55 @@ def test_gpu_int4_mma_replay(fmt, K, N, M, cfg, with_bias):
     im.int4_mma(torch.randn(M, 2 * K, dtype=torch.bfloat16, device=DEVICE)[:, ::2], leaves, lay, K, N, cfg, bias,
                 record=recs.append)
     assert recs == []
+
+
+AWQ_CASES = [(4096, 4096, 1, imn.Int4MmaN(SPLIT_K=8, scale_first=True), False),
+             (4096, 14336, 16, imn.Int4MmaN(SPLIT_K=4, tma=True, num_stages=4, scale_first=True), True),
+             (384, 264, 3, imn.Int4MmaN(SPLIT_K=1), True)]
+
+
+SYNC_CASES = [("int4_k_stack", 4096, 4096, 1, ims.Int4MmaSync(SPLIT_K=8), False),
+              ("gptq", 4096, 14336, 8, ims.Int4MmaSync(SPLIT_K=4, GROUPS_PER_WARP=2), True),
+              ("int4_k_stack", 384, 264, 3, ims.Int4MmaSync(SPLIT_K=1, PREFETCH=2), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias", SYNC_CASES,
+                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-bias' if c[5] else ''}"
+                              for c in SYNC_CASES])
+def test_gpu_int4_mma_sync_replay(fmt, K, N, M, cfg, with_bias):
+    """int4 along K on mma.sync: the replay gives the kernel's own output on new rows."""
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    leaves, lay = member(fmt, K, N, x, 0)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
+    rep = _record(ims.int4_mma_sync, x, leaves, lay, K, N, cfg, bias)
+    assert isinstance(rep, replay.Replay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, N)], bias)
+        want = ims.int4_mma_sync(x2, leaves, lay, K, N, cfg, bias)
+        assert not got.isnan().any() and torch.equal(got, want)
+        assert rel_err(got.float().cpu(), pm.packed_mm_reference(x2, leaves, lay, K, N, bias).float().cpu()) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,M,cfg,with_bias", AWQ_CASES,
+                         ids=[f"{c[1]}x{c[0]}-M{c[2]}-sk{c[3].SPLIT_K}{'-tma' if c[3].tma else ''}"
+                              f"{'-bias' if c[4] else ''}" for c in AWQ_CASES])
+def test_gpu_int4_mma_n_replay(K, N, M, cfg, with_bias):
+    """AWQ (int4 packed along N) on tensor cores: the replay gives the kernel's own output on new rows."""
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    leaves, lay = member("awq", K, N, x, 0)
+    assert imn.layout_fits(lay)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
+    rep = _record(imn.int4_mma_n, x, leaves, lay, K, N, cfg, bias)
+    assert isinstance(rep, replay.Replay)
+    for _ in range(2):
+        x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+        got = _poisoned_replay(rep, x2, [(M, N)], bias)
+        want = imn.int4_mma_n(x2, leaves, lay, K, N, cfg, bias)
+        assert not got.isnan().any() and torch.equal(got, want)
+        assert rel_err(got.float().cpu(), pm.packed_mm_reference(x2, leaves, lay, K, N, bias).float().cpu()) < 4e-3
 
 
 @pytest.mark.gpu

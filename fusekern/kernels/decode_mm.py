@@ -40,6 +40,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_n as imn
+from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
@@ -157,6 +158,14 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                                         num_stages=3 if tma else 1, scale_first=sf)
                              for bn in widths for tma, sf in ((False, False), (True, False), (True, True))
                              for per_sm in (4, 2))
+    if ims.fits(lay, M, K, x_dtype):
+        # int4 along K, up to 8 rows, on mma.sync: one 16-column group per warp, or two sharing x; about
+        # 4 or 8 programs of 4 warps per SM (H200, M = 1: benchmarks/results/h200/int4_mma_sync_sweep.csv,
+        # 2 and 16 per SM were slower on every shape; two groups of words loaded ahead did not help:
+        # int4_mma_sync_prefetch_sweep.csv)
+        out += dict.fromkeys(ims.Int4MmaSync(SPLIT_K=ims.split_k(N, K, 16 * 4 * gpw, sms, per_sm),
+                                             GROUPS_PER_WARP=gpw)
+                             for gpw, per_sm in ((1, 8), (1, 4), (2, 8), (2, 4)))
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
         # int4 packed along N (AWQ) on tensor cores, 256-column tiles, K split for one wave of 2 or 3
@@ -784,12 +793,12 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
-    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, pm.PackedDequant)):
+    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, pm.PackedDequant)):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
         ws = None
-        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN)):
+        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync)):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
             if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype \
                     or not workspace.is_contiguous():

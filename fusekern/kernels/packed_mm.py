@@ -31,6 +31,7 @@ import triton.language as tl
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import Int4Mma, int4_mma, layout_fits as int4_mma_fits
 from fusekern.kernels.int4_mma_n import Int4MmaN, int4_mma_n, layout_fits as int4_mma_n_fits
+from fusekern.kernels.int4_mma_sync import Int4MmaSync, int4_mma_sync
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -691,7 +692,7 @@ class PackedDequant:
 def fits(lay: PackedLayout, cfg) -> bool:
     """Can ``cfg``'s tile read this layout? The tile must hold whole words, and a word's values must
     share one scale group (the GEMV scales per word)."""
-    if isinstance(cfg, Int4Mma):
+    if isinstance(cfg, (Int4Mma, Int4MmaSync)):
         return int4_mma_fits(lay)
     if isinstance(cfg, Int4MmaN):
         return int4_mma_n_fits(lay)
@@ -912,7 +913,7 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
     """Run one config (GEMV, tensor-core tile, a register-decoded int4 tensor-core kernel, or decode +
     cuBLAS). A bias other than a contiguous [N] vector is added after the kernel, in fp32. workspace: the
     ``[SPLIT_K, M, N]`` buffer a GEMV or tensor-core config writes (tests pass one full of NaN). record:
-    called with a ``replay.Replay`` of the whole call (GEMV along K, tensor-core tile, int4_mma(_n), decode +
+    called with a ``replay.Replay`` of the whole call (GEMV along K, tensor-core tile, int4_mma(_n, _sync), decode +
     cuBLAS), not with a workspace given or a bias added after the kernel."""
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
         return (packed_mm(x, leaves, lay, K, N, cfg, workspace=workspace).float() + bias.float()).to(x.dtype)
@@ -924,6 +925,8 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
         return int4_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, Int4MmaN):
         return int4_mma_n(x, leaves, lay, K, N, cfg, bias, workspace, record)
+    if isinstance(cfg, Int4MmaSync):
+        return int4_mma_sync(x, leaves, lay, K, N, cfg, bias, workspace, record)
     launches = []
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg, launches.append if record is not None else None)
     if launches:
@@ -1006,7 +1009,7 @@ def aot_builds():
         seen = set()
         for M in REPORT_MS:
             for cfg in dm._packed_candidates(M, N, K, 132, lay):
-                if cfg in seen or isinstance(cfg, (Int4Mma, Int4MmaN)):  # (their modules' aot_builds have those)
+                if cfg in seen or isinstance(cfg, (Int4Mma, Int4MmaN, Int4MmaSync)):  # (their modules' aot_builds have those)
                     continue
                 seen.add(cfg)
                 ssk, ssn = _contiguous_strides(lay.scale_dims, -(-K // lay.group_k), -(-N // lay.group_n))
