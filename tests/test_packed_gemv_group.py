@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
 from fusekern.patterns.decode.formats import recognize
@@ -49,12 +50,14 @@ def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16, members=None):
     ws = None
     if cfg.SPLIT_K > 1:
         ws = torch.full((cfg.SPLIT_K * M * sum(Ns),), float("nan"), device=DEVICE)  # poisoned partials
-    got = pg.gemv_group(x, members, lay, K, Ns, cfg, workspace=ws)
+    from fusekern.kernels import decode_mm_group as dmg
+
+    got = dmg.group_launch(x, members, lay, K, Ns, cfg, workspace=ws)  # (the GEMV's, or int4_mma_sync's)
     assert got is not None and len(got) == len(Ns)
     if ws is not None:  # every member wrote its partials to its own part (none left poisoned)
         assert not ws.isnan().any()
     for leaves, n, out in zip(members, Ns, got):
-        alone = pm.gemv(x, leaves, lay, K, n, cfg)
+        alone = pm.packed_mm(x, leaves, lay, K, n, cfg)
         want = pm.packed_mm_reference(x, leaves, lay, K, n)
         assert out.shape == (M, n) and out.dtype == dtype and not out.isnan().any()
         assert torch.equal(out, alone)
@@ -66,6 +69,22 @@ def _check(fmt, K, Ns, M, cfg, dtype=torch.bfloat16, members=None):
                          ids=["three_split", "two_tails_no_split", "three_tails_split"])
 def test_group_matches_each_launch(fmt, Ns, M, split_k):
     _check(fmt, 256, list(Ns), M, pm.PackedGemv(32, 128, split_k, 4))
+
+
+@pytest.mark.parametrize("Ns,M,cfg", [((64, 32, 40), 1, ims.Int4MmaSync(SPLIT_K=2)),
+                                      ((96, 136), 3, ims.Int4MmaSync(SPLIT_K=1, GROUPS_PER_WARP=2))],
+                         ids=["three_split", "two_tails_two_groups"])
+def test_int4_mma_sync_group_matches_each_launch(Ns, M, cfg):
+    """``int4_mma_sync``'s grouped launch: each member's output is its own launch's, bit for bit."""
+    _check("int4_k_stack", 256, list(Ns), M, cfg)
+
+
+def test_int4_mma_sync_group_needs_one_program():
+    """GPTQ's [K/8, N] words have strides that depend on N: no grouped launch (the members run alone)."""
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    made = [member("gptq", 256, n, x, seed) for seed, n in enumerate((64, 32))]
+    assert ims.int4_mma_sync_group(x, [m[0] for m in made], made[0][1], 256, [64, 32],
+                                   ims.Int4MmaSync(SPLIT_K=1)) is None
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
@@ -161,8 +180,9 @@ def test_members_that_cannot_share_a_launch_are_refused():
 @pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "fp8_channel"])
 @pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
 def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
-    """At a decoder's q / k / v and gate / up shapes, every GEMV config the dispatcher offers for the
-    summed width (what ``decode_mm_group`` may choose) gives each member its own launch's output."""
+    """At a decoder's q / k / v and gate / up shapes, every GEMV (and, for int4, ``int4_mma_sync``) config
+    the dispatcher offers for the summed width (what ``decode_mm_group`` may choose) gives each member its
+    own launch's output."""
     from fusekern.kernels import decode_mm_group as dmg
     from fusekern.kernels.device_info import sm_count
 
@@ -184,3 +204,10 @@ def test_group_candidates_are_the_dispatchers_gemv_configs():
     assert any(c.vec_k for c in offered)
     got = dmg.group_candidates(1, 28672, 4096, 132, lay)
     assert got == offered
+    # int4 along K: int4_mma_sync's configs too (up to 8 bf16 rows)
+    int4 = member("int4_k_stack", 256, 64, torch.empty(1, 256, dtype=torch.bfloat16), 0)[1]
+    sync = [c for c in dm._packed_candidates(1, 28672, 4096, 132, int4) if isinstance(c, ims.Int4MmaSync)]
+    assert sync and [c for c in dmg.group_candidates(1, 28672, 4096, 132, int4) if isinstance(c, ims.Int4MmaSync)] \
+        == sync
+    assert not any(isinstance(c, ims.Int4MmaSync) for c in dmg.group_candidates(1, 28672, 4096, 132, int4,
+                                                                                 torch.float16))

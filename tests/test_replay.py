@@ -533,19 +533,21 @@ def test_gpu_int4_mma_n_replay(K, N, M, cfg, with_bias):
 @pytest.mark.parametrize("fmt,Ns,M,cfg,dtype", [
     ("int4_k_stack", [4096, 1024, 1024], 1, pm.PackedGemv(64, 256, 4, 4), torch.bfloat16),
     ("int4_k_stack", [14336, 14336], 1, pm.PackedGemv(128, 128, 2, 4), torch.bfloat16),
-    ("int8_channel", [96, 40], 2, pm.PackedGemv(32, 128, 1, 4), torch.float16)],
-    ids=["qkv_split", "gate_up_split", "two_no_split_fp16"])
+    ("int8_channel", [96, 40], 2, pm.PackedGemv(32, 128, 1, 4), torch.float16),
+    ("int4_k_stack", [4096, 1024, 1024], 1, ims.Int4MmaSync(SPLIT_K=8), torch.bfloat16),
+    ("int4_k_stack", [14336, 14336], 3, ims.Int4MmaSync(SPLIT_K=4, GROUPS_PER_WARP=2), torch.bfloat16)],
+    ids=["qkv_split", "gate_up_split", "two_no_split_fp16", "sync_qkv_split", "sync_gate_up_two_groups"])
 def test_gpu_gemv_group_replay(fmt, Ns, M, cfg, dtype):
     K = 4096 if Ns[0] >= 1024 else 256
     x = torch.randn(M, K, dtype=dtype, device=DEVICE)
     made = [member(fmt, K, n, x, seed) for seed, n in enumerate(Ns)]
     members, lay = [m[0] for m in made], made[0][1]
-    rep = _record(pg.gemv_group, x, members, lay, K, Ns, cfg)
+    rep = _record(dmg.group_launch, x, members, lay, K, Ns, cfg)  # (the GEMV's, or int4_mma_sync's)
     assert isinstance(rep, pg.GemvGroupReplay)
     for _ in range(2):
         x2 = torch.randn(M, K, dtype=dtype, device=DEVICE)
         got = _poisoned_replay(rep, x2, [(M, n) for n in Ns])
-        want = pg.gemv_group(x2, members, lay, K, Ns, cfg)
+        want = dmg.group_launch(x2, members, lay, K, Ns, cfg)
         assert len(got) == len(Ns)
         for g, w, n in zip(got, want, Ns):
             assert g.shape == (M, n) and not g.isnan().any() and torch.equal(g, w)

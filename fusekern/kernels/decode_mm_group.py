@@ -2,8 +2,8 @@
 
 ``decode_mm_group(x, leaves, programs, layout)`` returns ``[decode_mm(x, leaves_i, programs[i], None,
 layout) for each member]`` (leaves: every member's leaves, in member order). On CUDA, for a few rows, the
-members' GEMVs can run as one launch (``packed_gemv_group``): the first call of a shape times the grouped
-GEMV configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
+members' GEMVs can run as one launch (``packed_gemv_group``; for int4 along K and up to 8 bf16 rows also
+``int4_mma_sync_group``): the first call of a shape times the grouped configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
 kernel) and keeps the fastest whose outputs agree with the members' own; a shape where grouping loses,
 or that cannot be grouped, runs the members one by one. Elsewhere (CPU, more rows) the members run one
 by one: the op never computes anything ``decode_mm`` would not.
@@ -16,6 +16,7 @@ import logging
 import torch
 
 from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
@@ -58,17 +59,26 @@ def _groupable(x, members, progs, layout) -> bool:
                for t, leaf in zip(leaves, p.leaves))
 
 
-_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv or SEPARATE
+_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv, an Int4MmaSync or SEPARATE
 
 
 def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=torch.bfloat16) -> list:
-    """The GEMV configs the dispatcher offers for the summed width (those reading K in vectors serve only
-    members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``)."""
-    return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype) if isinstance(c, pm.PackedGemv)]
+    """The GEMV and ``int4_mma_sync`` configs the dispatcher offers for the summed width (GEMVs reading K in
+    vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``)."""
+    return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype)
+            if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync))]
+
+
+def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, workspace=None, record=None):
+    """The members' outputs from one launch of ``cfg``'s kernel, or None where they cannot share one."""
+    if isinstance(cfg, ims.Int4MmaSync):
+        return ims.int4_mma_sync_group(x, members, lay, K, Ns, cfg, workspace, record)
+    return pg.gemv_group(x, members, lay, K, Ns, cfg, workspace, record)
 
 
 def tuned_choice(x, members, programs, layout):
-    """A grouped GEMV config, or SEPARATE: measured on the first call of a shape (see the module doc)."""
+    """A grouped launch's config (GEMV or ``int4_mma_sync``), or SEPARATE: measured on the first call of a
+    shape (see the module doc)."""
     progs = [DecodeProgram.from_text(t) for t in programs]
     if not _groupable(x, members, progs, layout):
         return SEPARATE
@@ -92,13 +102,13 @@ def tuned_choice(x, members, programs, layout):
     best, best_ms = SEPARATE, dm._gpu_time(lambda: _separate(x, members, programs, layout), device=x.device)
     for cfg in cands:
         try:
-            outs = pg.gemv_group(probe, members, lay, K, Ns, cfg)
+            outs = group_launch(probe, members, lay, K, Ns, cfg)
             if outs is None:  # (K-vector reads of codes that are not all 16-byte aligned)
                 continue
             if any(not ((o.float() - r.float()).abs() <= b).all() for o, r, b in zip(outs, refs, bounds)):
                 log.warning("fusekern decode_mm_group: %s is off for %s: skipped", cfg, Ns)
                 continue
-            ms = dm._gpu_time(lambda: pg.gemv_group(x, members, lay, K, Ns, cfg), device=x.device)
+            ms = dm._gpu_time(lambda: group_launch(x, members, lay, K, Ns, cfg), device=x.device)
         except Exception as e:  # a config that does not compile or fit on this device: skip it
             log.warning("fusekern decode_mm_group: skipping %s for %s: %s", cfg, Ns, e)
             continue
@@ -134,8 +144,8 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
             dm._check_args(x, m, p, None, text)
         lay, Ns = PackedLayout.from_text(layout), [p.N for p in progs]
-        outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
-        if outs is None and cfg.vec_k:  # tuned on another layer whose codes were 16-byte aligned: these are
+        outs = group_launch(x, members, lay, progs[0].K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
+        if outs is None and isinstance(cfg, pm.PackedGemv) and cfg.vec_k:  # tuned on another layer whose codes were 16-byte aligned: these are
             # not, so the same tiles read word by word, still one launch
             outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, vec_k=False),
                                  record=replay.recorder(_REPLAYS, key, leaves))

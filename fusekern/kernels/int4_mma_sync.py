@@ -22,6 +22,8 @@ tile. Here each warp is on its own, with no shared memory and no barrier:
 - Each lane loads what it decodes (16-byte loads where the words run along K), the next group's words are
   loaded before this group's are decoded, and K is split over programs, reduced in the launch by the last
   program of a column tile (split order: deterministic), as ``int4_mma`` does.
+Two or three weights that multiply the same x (a decoder's q / k / v, gate / up) can share one launch
+(``int4_mma_sync_group``: the members' column tiles in one grid, as ``packed_gemv_group`` does).
 The thread index comes from ``%tid.x`` (inline PTX), so the lanes' roles do not depend on how Triton lays
 out the 1-D per-thread tensors. Triton's CPU interpreter cannot run inline PTX: there ``ASM`` is False, the
 same bits come from plain operations and the warp's MMA is summed out by reshapes.
@@ -44,6 +46,7 @@ from fusekern.kernels.int4_mma import (
 )
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
 M_MAX = 8  # x's rows are the MMA's 8 columns
@@ -216,19 +219,59 @@ def _fold(acc, d, sx, s, zz):
     return acc + s * (d - zz * sx)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M"])  # one compile serves every M
 def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M,
                          N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
                          THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
-    """16 columns per warp and column group over one K slice (whole groups of 128). Strides in elements of
-    each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words run along K from 16-byte
-    aligned rows (one 16-byte load per 4 words)."""
+    """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
+    sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
+                 out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
+
+
+@triton.jit
+def _pick(in1, in2, v0, v1, v2):
+    """v0, v1 or v2 for a program of member 0, 1 or 2 (in1: member >= 1, in2: member 2)."""
+    return tl.where(in2, v2, tl.where(in1, v1, v0))
+
+
+@triton.jit(do_not_specialize=["M", "N", "T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1",
+                               "DO2", "DW1", "DW2"])  # (offsets between allocations change per weight)
+def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+                               T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1, DW2,
+                               K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
+                               ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
+                               SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
+                               GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
+    """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
+    owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
+    D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
+    partials from member 0's. The split-K counter is the program's own tile."""
+    pid = tl.program_id(0)
+    in1 = pid >= T1
+    in2 = pid >= T2
+    sync_program(pid - _pick(in1, in2, 0, T1, T2), pid, tl.program_id(1), x_ptr,
+                 q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
+                 s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
+                 ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
+
+
+@triton.jit
+def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+                 K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
+                 SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
+    Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
+    run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
+    counter. N: a constant (one weight) or a member's width (a group's launch)."""
     BLOCK_N: tl.constexpr = 16 * GROUPS_PER_WARP * (THREADS // 32)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     tid = _thread_index(tl.zeros((THREADS,), tl.int32), ASM)
     warp = tid // 32
     g = (tid % 32) // 4
@@ -316,7 +359,7 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
         if GROUPS_PER_WARP == 2:
             _partials(ws_ptr, acc4, acc5, acc6, acc7, pid_k, m0, m1, n2, n3, M, N)
         tl.debug_barrier()  # every thread's partials are written before the count (release below)
-        cnt = cnt_ptr + pid_n
+        cnt = cnt_ptr + pid_cnt
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             acc0, acc1, acc2, acc3 = _summed(ws_ptr, m0, m1, n0, n1, M, N, SPLIT_K)
             if GROUPS_PER_WARP == 2:
@@ -430,6 +473,76 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     return out
 
 
+MAX_MEMBERS = 3
+
+
+def _element_offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
+    """How many elements of ``base``'s dtype ``t`` starts after ``base`` (None: not a whole number)."""
+    d = t.data_ptr() - base.data_ptr()
+    return d // base.element_size() if d % base.element_size() == 0 and t.dtype == base.dtype else None
+
+
+def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
+                        workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
+    """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
+    they cannot share one: another stride or constant between members (e.g. GPTQ's ``[K/8, N]`` words),
+    leaves not a whole number of elements apart, 16-byte loads for some members' words and not others'.
+    Each output is the member's own launch's with the same config, bit for bit. workspace: the fp32
+    ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay of this call."""
+    from fusekern.kernels.packed_gemv_group import GemvGroupReplay
+
+    if not 2 <= len(members) <= MAX_MEMBERS:
+        return None
+    for leaves, N in zip(members, Ns):
+        check(x, leaves, lay, K, N, cfg)
+    consts = [dict(_constexprs(lay, K, N)) for N in Ns]
+    for c in consts:
+        c.pop("N")
+    if any(c != consts[0] for c in consts):
+        return None
+    words = [_words_i32(leaves, lay) for leaves in members]
+    zeros = [leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else w for leaves, w in zip(members, words)]
+    scales = [leaves[lay.scale] for leaves in members]
+    offsets = [[_element_offset(t[i], t[0]) for t in (words, zeros, scales)] for i in range(1, len(members))]
+    if any(o is None for offs in offsets for o in offs):
+        return None
+    vec = consts[0]["SQK"] == 1 and all(w.data_ptr() % 16 == 0 for w in words)
+    if consts[0]["SQK"] == 1 and not vec and any(w.data_ptr() % 16 == 0 for w in words):
+        return None  # (16-byte loads for some members only: not each member's own launch)
+    rec = record is not None and workspace is None and x.is_contiguous() and x.data_ptr() % 16 == 0
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    M = x.shape[0]
+    tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
+    outs = [torch.empty((M, n), device=x.device, dtype=x.dtype) for n in Ns]
+    if cfg.SPLIT_K > 1:
+        total = cfg.SPLIT_K * M * sum(Ns)
+        ws = workspace if workspace is not None else torch.empty(total, device=x.device, dtype=torch.float32)
+        if ws.numel() != total or ws.dtype != torch.float32 or not ws.is_contiguous():
+            raise ValueError(f"int4_mma_sync_group: workspace must be a contiguous float32 [{total}]")
+        cnt = split_counters(x.device, sum(tiles))
+        ws_offsets = [cfg.SPLIT_K * M * sum(Ns[:i]) for i in range(1, len(Ns))]
+    else:
+        ws = cnt = outs[0]
+        ws_offsets = [0] * (len(Ns) - 1)
+    out_offsets = [_element_offset(o, outs[0]) for o in outs[1:]]  # (fresh allocations: whole elements apart)
+    # member 2's fields repeat member 1's where there are two members (its first tile is past the grid)
+    pad = (lambda v: v + v[-1:] * (MAX_MEMBERS - 1 - len(v)))
+    t_bounds = pad([sum(tiles[:i]) for i in range(1, len(tiles))])
+    if len(tiles) == 2:
+        t_bounds[1] = sum(tiles)
+    launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
+        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0], *t_bounds, *pad(Ns[1:]),
+        *pad([o[0] for o in offsets]), *pad([o[2] for o in offsets]), *pad([o[1] for o in offsets]),
+        *pad(out_offsets), *pad(ws_offsets)), dict(
+        K=K, **{k: v for k, v in consts[0].items() if k != "K"}, SPLIT_K=cfg.SPLIT_K,
+        GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET, THREADS=32 * cfg.num_warps,
+        PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps), rec)
+    if rec and launch.replayable:
+        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
+    return outs
+
+
 def split_k(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
     """``int4_mma``'s rule: about ``per_sm`` programs per SM, a divisor of the K groups, at most 16."""
     return split_k_for(N, K, cfg_block_n, sms, per_sm)
@@ -461,4 +574,20 @@ def aot_builds():
                                           f"PREFETCH={cfg.PREFETCH} "
                                           f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [{N}x{K}]",
                                           int4_mma_sync_kernel, args, ce, cfg.num_warps, 1))
+    # the grouped launch for a decoder's q / k / v (4096 + 1024 + 1024 columns), two codes per byte
+    lay, (_, st, zt) = REPORT_LAYOUTS["int4_k_stack"]
+    K, Ns = 4096, (4096, 1024, 1024)
+    for cfg in (Int4MmaSync(SPLIT_K=8),):
+        # member fields: not multiples of 16 (no divisibility hint: do_not_specialize), offsets 64-bit
+        members = dict(M=3, N=4099, T1=67, T2=83, N1=1027, N2=1027, DQ1=2**40 + 3, DQ2=-2**40 - 3,
+                       DS1=2**40 + 3, DS2=-2**40 - 3, DZ1=2**40 + 3, DZ2=-2**40 - 3, DO1=2**40 + 3,
+                       DO2=-2**40 - 3, DW1=2**40 + 3, DW2=2**41 + 3)
+        args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
+                    cnt_ptr="*i32", **members)
+        consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
+        ce = dict(consts, SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=True, ASM=True,
+                  THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
+        builds.append(TritonBuild("int4_mma_sync_group", f"int4_k_stack GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
+                                  f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [1x({'+'.join(map(str, Ns))})x{K}]",
+                                  int4_mma_sync_group_kernel, args, ce, cfg.num_warps, 1))
     return builds
