@@ -281,7 +281,7 @@ def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
     monkeypatch.setattr(dmg.PackedLayout, "from_text", staticmethod(lambda t: None))
     reps, grouped = [], []
 
-    def fake_group(x, members, lay, K, Ns, cfg, record=None):
+    def fake_group(x, members, lay, K, Ns, cfg, workspace=None, record=None):
         grouped.append(x.shape)
         rep = _Rep()
         reps.append(rep)

@@ -72,8 +72,8 @@ def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=
 def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, workspace=None, record=None):
     """The members' outputs from one launch of ``cfg``'s kernel, or None where they cannot share one."""
     if isinstance(cfg, ims.Int4MmaSync):
-        return ims.int4_mma_sync_group(x, members, lay, K, Ns, cfg, workspace, record)
-    return pg.gemv_group(x, members, lay, K, Ns, cfg, workspace, record)
+        return ims.int4_mma_sync_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
+    return pg.gemv_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
 
 
 def tuned_choice(x, members, programs, layout):

@@ -46,7 +46,6 @@ from fusekern.kernels.int4_mma import (
 )
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
-from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
 M_MAX = 8  # x's rows are the MMA's 8 columns
@@ -489,7 +488,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     leaves not a whole number of elements apart, 16-byte loads for some members' words and not others'.
     Each output is the member's own launch's with the same config, bit for bit. workspace: the fp32
     ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay of this call."""
-    from fusekern.kernels.packed_gemv_group import GemvGroupReplay
+    from fusekern.kernels.packed_gemv_group import GemvGroupReplay, group_outputs, member_fields
 
     if not 2 <= len(members) <= MAX_MEMBERS:
         return None
@@ -503,7 +502,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     words = [_words_i32(leaves, lay) for leaves in members]
     zeros = [leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else w for leaves, w in zip(members, words)]
     scales = [leaves[lay.scale] for leaves in members]
-    offsets = [[_element_offset(t[i], t[0]) for t in (words, zeros, scales)] for i in range(1, len(members))]
+    offsets = [[_element_offset(t[i], t[0]) for t in (words, scales, zeros)] for i in range(1, len(members))]
     if any(o is None for offs in offsets for o in offs):
         return None
     vec = consts[0]["SQK"] == 1 and all(w.data_ptr() % 16 == 0 for w in words)
@@ -514,27 +513,11 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
         x = x.clone(memory_format=torch.contiguous_format)
     M = x.shape[0]
     tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
-    outs = [torch.empty((M, n), device=x.device, dtype=x.dtype) for n in Ns]
-    if cfg.SPLIT_K > 1:
-        total = cfg.SPLIT_K * M * sum(Ns)
-        ws = workspace if workspace is not None else torch.empty(total, device=x.device, dtype=torch.float32)
-        if ws.numel() != total or ws.dtype != torch.float32 or not ws.is_contiguous():
-            raise ValueError(f"int4_mma_sync_group: workspace must be a contiguous float32 [{total}]")
-        cnt = split_counters(x.device, sum(tiles))
-        ws_offsets = [cfg.SPLIT_K * M * sum(Ns[:i]) for i in range(1, len(Ns))]
-    else:
-        ws = cnt = outs[0]
-        ws_offsets = [0] * (len(Ns) - 1)
-    out_offsets = [_element_offset(o, outs[0]) for o in outs[1:]]  # (fresh allocations: whole elements apart)
-    # member 2's fields repeat member 1's where there are two members (its first tile is past the grid)
-    pad = (lambda v: v + v[-1:] * (MAX_MEMBERS - 1 - len(v)))
-    t_bounds = pad([sum(tiles[:i]) for i in range(1, len(tiles))])
-    if len(tiles) == 2:
-        t_bounds[1] = sum(tiles)
+    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
+                                                           "int4_mma_sync_group")
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
-        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0], *t_bounds, *pad(Ns[1:]),
-        *pad([o[0] for o in offsets]), *pad([o[2] for o in offsets]), *pad([o[1] for o in offsets]),
-        *pad(out_offsets), *pad(ws_offsets)), dict(
+        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
+        *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
         K=K, **{k: v for k, v in consts[0].items() if k != "K"}, SPLIT_K=cfg.SPLIT_K,
         GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET, THREADS=32 * cfg.num_warps,
         PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps), rec)

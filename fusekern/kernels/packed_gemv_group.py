@@ -135,26 +135,8 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     if cfg.vec_k and (ptrs[0][0].data_ptr() % 16 or any(o[0] % qalign for o in offsets)):
         return None  # K-vector reads of codes not all 16-byte aligned: not one program (module doc)
     tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
-    outs = [torch.empty((M, n), device=x.device, dtype=x.dtype) for n in Ns]
-    if cfg.SPLIT_K > 1:
-        total = cfg.SPLIT_K * M * sum(Ns)
-        ws = workspace if workspace is not None else torch.empty(total, device=x.device, dtype=torch.float32)
-        if ws.numel() != total or ws.dtype != torch.float32 or not ws.is_contiguous():
-            raise ValueError(f"gemv_group: workspace must be a contiguous float32 [{total}]")
-        cnt = split_counters(x.device, M * sum(tiles))
-        ws_offsets = [cfg.SPLIT_K * M * sum(Ns[:i]) for i in range(1, len(Ns))]
-    else:
-        ws = cnt = outs[0]
-        ws_offsets = [0] * (len(Ns) - 1)
-    out_offsets = [_offset(o, outs[0]) for o in outs[1:]]  # (fresh allocations: whole elements apart)
-    # member 2's fields repeat member 1's where there are two members (its first tile is past the grid)
-    pad = (lambda v: v + v[-1:] * (MAX_MEMBERS - 1 - len(v)))
-    t_bounds = pad([sum(tiles[:i]) for i in range(1, len(tiles))])
-    if len(tiles) == 2:
-        t_bounds[1] = sum(tiles)
-    n_rest, dq, ds, dz = pad(Ns[1:]), pad([o[0] for o in offsets]), pad([o[1] for o in offsets]), \
-        pad([o[2] for o in offsets])
-    dout, dws = pad(out_offsets), pad(ws_offsets)
+    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, M * sum(tiles), workspace,
+                                                           "gemv_group")
     even = K % cfg.BLOCK_K == 0 and all(n % cfg.BLOCK_N == 0 for n in Ns)
     i64 = any(leaves[lay.code].numel() >= 2**31 for leaves in members)
     q, s, z, g = ptrs
@@ -162,13 +144,46 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     launch = replay.launch(packed_gemv_group_kernel, (sum(tiles), cfg.SPLIT_K, M), (
         x, q, s, z, g, outs[0], ws, cnt, M, Ns[0], K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn,
-        *t_bounds, *n_rest, *dq, *ds, *dz, *dout, *dws), dict(
+        *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
         P=p, KPOS=pm._kpos(order), WORD_I32=word_i32, SPLIT_K=cfg.SPLIT_K, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not pm._INTERPRET, EVEN=even, I64=i64,
         QALIGN=qalign if cfg.vec_k else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
+
+
+def group_outputs(x: torch.Tensor, Ns: list[int], split_k: int, counters: int, workspace, name: str):
+    """A grouped launch's fresh outputs ``[M, N_i]``, its fp32 split-K partials (``[split_k * M * sum(Ns)]``,
+    each member's part after the previous one's; workspace: the caller's, checked) and ``counters`` zeroed
+    split counters, with the members' output and partial offsets from member 0's. Without a split the
+    partials and counters are outs[0] (not touched)."""
+    M = x.shape[0]
+    outs = [torch.empty((M, n), device=x.device, dtype=x.dtype) for n in Ns]
+    if split_k > 1:
+        total = split_k * M * sum(Ns)
+        ws = workspace if workspace is not None else torch.empty(total, device=x.device, dtype=torch.float32)
+        if ws.numel() != total or ws.dtype != torch.float32 or not ws.is_contiguous():
+            raise ValueError(f"{name}: workspace must be a contiguous float32 [{total}]")
+        cnt = split_counters(x.device, counters)
+        ws_offsets = [split_k * M * sum(Ns[:i]) for i in range(1, len(Ns))]
+    else:
+        ws = cnt = outs[0]
+        ws_offsets = [0] * (len(Ns) - 1)
+    out_offsets = [_offset(o, outs[0]) for o in outs[1:]]  # (fresh allocations: whole elements apart)
+    return outs, ws, cnt, out_offsets, ws_offsets
+
+
+def member_fields(tiles: list[int], Ns: list[int], leaf_offsets, out_offsets, ws_offsets) -> list[int]:
+    """The grouped kernels' member arguments T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1,
+    DW2 (leaf_offsets: the (codes, scales, zeros) element offsets of members 1 and 2 from member 0's)."""
+    # member 2's fields repeat member 1's where there are two members (its first tile is past the grid)
+    pad = (lambda v: v + v[-1:] * (MAX_MEMBERS - 1 - len(v)))
+    t_bounds = pad([sum(tiles[:i]) for i in range(1, len(tiles))])
+    if len(tiles) == 2:
+        t_bounds[1] = sum(tiles)
+    return [*t_bounds, *pad(Ns[1:]), *(v for i in range(3) for v in pad([o[i] for o in leaf_offsets])),
+            *pad(out_offsets), *pad(ws_offsets)]
 
 
 class GemvGroupReplay:
