@@ -407,6 +407,28 @@ def test_ops_record_then_replay(interpreted, monkeypatch):
         assert torch.equal(g, real(x2, m, t, None, pm.PackedGemv(32, 128, 2, 4), layout=layout))
 
 
+
+def test_grouped_op_records_and_replays_int4_mma_sync(interpreted, monkeypatch):
+    """The grouped op with ``int4_mma_sync``'s grouped launch chosen: the first call records it, the second
+    replays it (neither launcher is entered) and gives each member's own launch's output."""
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cfg = ims.Int4MmaSync(SPLIT_K=2)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    layout = _program("int4_k_stack", 256, 64, x)[2]
+    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
+    flat = [t for m in members for t in m]
+    first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
+    monkeypatch.setattr(dmg.ims, "int4_mma_sync_group", lambda *a, **k: pytest.fail("not replayed"))
+    monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: pytest.fail("not the GEMV"))
+    x2 = torch.randn(3, 256, dtype=torch.bfloat16)
+    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
+    lay = dmg.PackedLayout.from_text(layout)
+    for g, f, m, n in zip(got, first, members, (64, 40, 24)):
+        assert g.shape == (3, n) and torch.equal(g, ims.int4_mma_sync(x2, m, lay, 256, n, cfg))
+        assert not torch.equal(g, f)
+
 # ----------------------------------------------------------------------------- GPU: replays compute the same
 
 
