@@ -47,6 +47,43 @@ def zoo_weight(fmt: str, N: int, K: int):
     return text, [t.cuda() for t in leaves], lay
 
 
+def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None = None) -> None:
+    """One kernel's configs (``configs(N, K, sms)``) beside the dispatcher's other candidates (``args.others``)
+    for each of ``args.formats``, ``args.shapes`` (N x K) and ``args.ms``: every config checked against the
+    float64 reference and timed in a CUDA graph (median), a CSV row each (``args.csv``), and each kernel's
+    fastest printed (``best_max_err``: only configs within this error count)."""
+    warm_up_clocks()
+    meta = versions()
+    out = RowWriter(args.csv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for fmt in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            N, K = map(int, shape.split("x"))
+            _, leaves, lay = zoo_weight(fmt, N, K)
+            for M in map(int, args.ms.split(",")):
+                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
+                floor = floor_us(leaves, N, K, M)
+                others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
+                          if not isinstance(c, kernel_cls)] if args.others else []
+                best = {}
+                for cfg in others + configs(N, K, sms):
+                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
+                    kind = type(cfg).__name__
+                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg),
+                               us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
+                               x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
+                    out.write(row)
+                    ok = best_max_err is None or err < best_max_err
+                    if not isinstance(us, str) and ok and us < best.get(kind, (1e9,))[0]:
+                        best[kind] = (us, cfg)
+                    print(f"{fmt} {N}x{K} M={M} {str(cfg):90s} {row['us']!s:>8} us  x{row['x_floor']}  "
+                          f"err {row['rel_err']}", flush=True)
+                print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(
+                    f"{k} {v[0]:.2f}" for k, v in sorted(best.items())), flush=True)
+    out.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
-from bench_int4_mma import floor_us, zoo_weight
+from bench_int4_mma import sweep_against_others
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import packed_mm as pm
@@ -51,35 +48,7 @@ def main():
     ap.add_argument("--grid", default="variants", choices=("variants", "dispatcher"))
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
-    warm_up_clocks()
-    meta = versions()
-    out = RowWriter(args.csv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for fmt in args.formats.split(","):
-        for shape in args.shapes.split(","):
-            N, K = map(int, shape.split("x"))
-            _, leaves, lay = zoo_weight(fmt, N, K)
-            for M in map(int, args.ms.split(",")):
-                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-                ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
-                floor = floor_us(leaves, N, K, M)
-                others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
-                          if not isinstance(c, imn.Int4MmaN)] if args.others else []
-                best = {}
-                for cfg in others + configs(N, K, sms, args.grid):
-                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
-                    kind = type(cfg).__name__
-                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg),
-                               us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
-                               x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
-                    out.write(row)
-                    if not isinstance(us, str) and us < best.get(kind, (1e9,))[0]:
-                        best[kind] = (us, cfg)
-                    print(f"{fmt} {N}x{K} M={M} {str(cfg):90s} {row['us']!s:>8} us  x{row['x_floor']}  "
-                          f"err {row['rel_err']}", flush=True)
-                print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(
-                    f"{k} {v[0]:.2f}" for k, v in sorted(best.items())), flush=True)
-    out.close()
+    sweep_against_others(args, imn.Int4MmaN, lambda N, K, sms: configs(N, K, sms, args.grid))
 
 
 if __name__ == "__main__":

@@ -502,51 +502,33 @@ def test_gpu_int4_mma_replay(fmt, K, N, M, cfg, with_bias):
     assert recs == []
 
 
-AWQ_CASES = [(4096, 4096, 1, imn.Int4MmaN(SPLIT_K=8, scale_first=True), False),
-             (4096, 14336, 16, imn.Int4MmaN(SPLIT_K=4, tma=True, num_stages=4, scale_first=True), True),
-             (384, 264, 3, imn.Int4MmaN(SPLIT_K=1), True)]
-
-
-SYNC_CASES = [("int4_k_stack", 4096, 4096, 1, ims.Int4MmaSync(SPLIT_K=8), False),
-              ("gptq", 4096, 14336, 8, ims.Int4MmaSync(SPLIT_K=4, GROUPS_PER_WARP=2), True),
-              ("int4_k_stack", 384, 264, 3, ims.Int4MmaSync(SPLIT_K=1, PREFETCH=2), True)]
+REGISTER_DECODED_CASES = [
+    ("awq", 4096, 4096, 1, imn.Int4MmaN(SPLIT_K=8, scale_first=True), False),
+    ("awq", 4096, 14336, 16, imn.Int4MmaN(SPLIT_K=4, tma=True, num_stages=4, scale_first=True), True),
+    ("awq", 384, 264, 3, imn.Int4MmaN(SPLIT_K=1), True),
+    ("int4_k_stack", 4096, 4096, 1, ims.Int4MmaSync(SPLIT_K=8), False),
+    ("gptq", 4096, 14336, 8, ims.Int4MmaSync(SPLIT_K=4, GROUPS_PER_WARP=2), True),
+    ("int4_k_stack", 384, 264, 3, ims.Int4MmaSync(SPLIT_K=1, PREFETCH=2), True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias", SYNC_CASES,
-                         ids=[f"{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}{'-bias' if c[5] else ''}"
-                              for c in SYNC_CASES])
-def test_gpu_int4_mma_sync_replay(fmt, K, N, M, cfg, with_bias):
-    """int4 along K on mma.sync: the replay gives the kernel's own output on new rows."""
+@pytest.mark.parametrize("fmt,K,N,M,cfg,with_bias", REGISTER_DECODED_CASES,
+                         ids=[f"{type(c[4]).__name__}-{c[0]}-{c[2]}x{c[1]}-M{c[3]}-sk{c[4].SPLIT_K}"
+                              f"{'-tma' if getattr(c[4], 'tma', False) else ''}{'-bias' if c[5] else ''}"
+                              for c in REGISTER_DECODED_CASES])
+def test_gpu_int4_mma_n_and_sync_replay(fmt, K, N, M, cfg, with_bias):
+    """AWQ (int4 packed along N, WGMMA) and int4 along K on mma.sync: the replay gives the kernel's own
+    output on new rows."""
     x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
     leaves, lay = member(fmt, K, N, x, 0)
+    assert pm.fits(lay, cfg)
     bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
-    rep = _record(ims.int4_mma_sync, x, leaves, lay, K, N, cfg, bias)
+    rep = _record(pm.packed_mm, x, leaves, lay, K, N, cfg, bias)
     assert isinstance(rep, replay.Replay)
     for _ in range(2):
         x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
         got = _poisoned_replay(rep, x2, [(M, N)], bias)
-        want = ims.int4_mma_sync(x2, leaves, lay, K, N, cfg, bias)
-        assert not got.isnan().any() and torch.equal(got, want)
-        assert rel_err(got.float().cpu(), pm.packed_mm_reference(x2, leaves, lay, K, N, bias).float().cpu()) < 4e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("K,N,M,cfg,with_bias", AWQ_CASES,
-                         ids=[f"{c[1]}x{c[0]}-M{c[2]}-sk{c[3].SPLIT_K}{'-tma' if c[3].tma else ''}"
-                              f"{'-bias' if c[4] else ''}" for c in AWQ_CASES])
-def test_gpu_int4_mma_n_replay(K, N, M, cfg, with_bias):
-    """AWQ (int4 packed along N) on tensor cores: the replay gives the kernel's own output on new rows."""
-    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
-    leaves, lay = member("awq", K, N, x, 0)
-    assert imn.layout_fits(lay)
-    bias = torch.randn(N, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
-    rep = _record(imn.int4_mma_n, x, leaves, lay, K, N, cfg, bias)
-    assert isinstance(rep, replay.Replay)
-    for _ in range(2):
-        x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
-        got = _poisoned_replay(rep, x2, [(M, N)], bias)
-        want = imn.int4_mma_n(x2, leaves, lay, K, N, cfg, bias)
+        want = pm.packed_mm(x2, leaves, lay, K, N, cfg, bias)
         assert not got.isnan().any() and torch.equal(got, want)
         assert rel_err(got.float().cpu(), pm.packed_mm_reference(x2, leaves, lay, K, N, bias).float().cpu()) < 4e-3
 

@@ -23,6 +23,7 @@ Loads that read one element per aligned block of k (group scales, zero points) l
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -163,9 +164,9 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # 4 or 8 programs of 4 warps per SM (H200, M = 1: benchmarks/results/h200/int4_mma_sync_sweep.csv,
         # 2 and 16 per SM were slower on every shape; two groups of words loaded ahead did not help:
         # int4_mma_sync_prefetch_sweep.csv)
-        out += dict.fromkeys(ims.Int4MmaSync(SPLIT_K=ims.split_k(N, K, 16 * 4 * gpw, sms, per_sm),
-                                             GROUPS_PER_WARP=gpw)
-                             for gpw, per_sm in ((1, 8), (1, 4), (2, 8), (2, 4)))
+        out += dict.fromkeys(dataclasses.replace(c, SPLIT_K=im.split_k_for(N, K, c.BLOCK_N, sms, per_sm))
+                             for c in (ims.Int4MmaSync(GROUPS_PER_WARP=1), ims.Int4MmaSync(GROUPS_PER_WARP=2))
+                             for per_sm in (8, 4))
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):
         # int4 packed along N (AWQ) on tensor cores, 256-column tiles, K split for one wave of 2 or 3

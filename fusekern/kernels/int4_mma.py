@@ -320,28 +320,36 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
     if not layout_fits(lay):
         raise ValueError("int4_mma: the kernel cannot read this layout (see layout_fits)")
-    if x.dim() != 2 or not 1 <= x.shape[0] <= M_MAX or x.shape[1] != K or x.dtype != torch.bfloat16:
-        raise ValueError(f"int4_mma: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
-        raise ValueError(f"int4_mma: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
+    check_rows_and_bias("int4_mma", x, M_MAX, K, N, bias)
     if K % GROUP or N % 8 or (K // GROUP) % cfg.SPLIT_K:
         raise ValueError(f"int4_mma: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
-        _check_leaves(leaves, lay, K, N)
+        check_k_leaves("int4_mma", leaves, lay, K, N)
         _LEAVES_OK.put((lay, K, N), leaves, True)
 
 
 _LEAVES_OK = LeafCache()  # leaf sets already checked for a layout and shape
 
 
-def _check_leaves(leaves, lay: PackedLayout, K: int, N: int) -> None:
+def check_rows_and_bias(name: str, x: torch.Tensor, m_max: int, K: int, N: int, bias) -> None:
+    """x is bf16 [1..m_max, K] and bias None or a contiguous [N] vector on x's device (the int4 tensor-core
+    kernels' activation contract); else a clear error naming the kernel."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= m_max or x.shape[1] != K or x.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: x must be bf16 [M <= {m_max}, {K}], got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
+        raise ValueError(f"{name}: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
+
+
+def check_k_leaves(name: str, leaves, lay: PackedLayout, K: int, N: int) -> None:
+    """The leaves of int4 packed along K (GPTQ words or two codes per byte, 4-byte aligned: read as words)
+    as ``check_group_leaves`` wants them; else a clear error naming the kernel."""
     if _int32_words(lay):
         code = (K // 8, N), (torch.int32,)
     else:
         code = (N, K // 2), (torch.uint8,)
         if leaves[lay.code].data_ptr() % 4:
-            raise ValueError("int4_mma: the packed bytes must start 4-byte aligned (they are read as words)")
-    check_group_leaves("int4_mma", leaves, lay, K, N, *code)
+            raise ValueError(f"{name}: the packed bytes must start 4-byte aligned (they are read as words)")
+    check_group_leaves(name, leaves, lay, K, N, *code)
 
 
 def check_group_leaves(name: str, leaves, lay: PackedLayout, K: int, N: int, code_shape, code_dtypes) -> None:

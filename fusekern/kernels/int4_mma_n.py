@@ -38,7 +38,7 @@ import triton.language as tl
 
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import (_bf16_rounded, _load_words_nc, _minus_zero, _nibble, _round_to,
-                                       check_group_leaves, split_buffers)
+                                       check_group_leaves, check_rows_and_bias, split_buffers)
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
@@ -295,10 +295,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
     if not layout_fits(lay):
         raise ValueError("int4_mma_n: the kernel cannot read this layout (see layout_fits)")
-    if x.dim() != 2 or not 1 <= x.shape[0] <= M_MAX or x.shape[1] != K or x.dtype != torch.bfloat16:
-        raise ValueError(f"int4_mma_n: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
-        raise ValueError(f"int4_mma_n: bias must be a contiguous [{N}] vector on {x.device}, got {tuple(bias.shape)}")
+    check_rows_and_bias("int4_mma_n", x, M_MAX, K, N, bias)
     if K % GROUP or N % 8 or not 1 <= cfg.SPLIT_K <= K // BLOCK_K or cfg.num_warps != 4:
         raise ValueError(f"int4_mma_n: K = {K} (a multiple of {GROUP}), N = {N} (of 8) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token

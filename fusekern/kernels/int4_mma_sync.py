@@ -41,8 +41,8 @@ import triton.language as tl
 
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import (
-    GROUP, _GROUP, _constexprs, _round_to, _words_i32, _zero_of, check_group_leaves, layout_fits, split_buffers,
-    split_k_for,
+    GROUP, _GROUP, _constexprs, _round_to, _words_i32, _zero_of, check_k_leaves, check_rows_and_bias, layout_fits,
+    split_buffers,
 )
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
@@ -214,8 +214,23 @@ def _sum_x(xs, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fold(acc, d, sx, s, zz):
-    return acc + s * (d - zz * sx)
+def _scale_zero(s_ptr, z_ptr, t, la, lb, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr,
+                SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr):
+    """Group t's scales and 128 + z + c of columns la and lb (fp32), loaded before the group's MMAs."""
+    sa = tl.load(s_ptr + t * SSK + la * SSN).to(tl.float32)
+    sb = tl.load(s_ptr + t * SSK + lb * SSN).to(tl.float32)
+    za = (_zero_of(z_ptr, t, la, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
+    zb = (_zero_of(z_ptr, t, lb, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
+    return sa, sb, za, zb
+
+
+@triton.jit
+def _folded(a0, a1, a2, a3, d, sx0, sx1, sz):
+    """The accumulators of columns la (a0, a1) and lb (a2, a3) plus ``s * (d - (128 + z + c) * sum x)``
+    (d: the group's product in the D layout; sz: ``_scale_zero``'s)."""
+    sa, sb, za, zb = sz
+    return (a0 + sa * (d[0] - za * sx0), a1 + sa * (d[1] - za * sx1), a2 + sb * (d[2] - zb * sx0),
+            a3 + sb * (d[3] - zb * sx1))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every M
@@ -330,26 +345,15 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
         xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
         xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
         xs = _x_pairs(xa + xb + xc + xd, ASM)
-        s0 = tl.load(s_ptr + t * SSK + ln0 * SSN).to(tl.float32)
-        s1 = tl.load(s_ptr + t * SSK + ln1 * SSN).to(tl.float32)
-        z0 = (_zero_of(z_ptr, t, ln0, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
-        z1 = (_zero_of(z_ptr, t, ln1, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
+        sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
         sx0, sx1 = _sum_x(xs, ASM)
-        d0, d1, d2, d3 = _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM)
-        acc0 = _fold(acc0, d0, sx0, s0, z0)
-        acc1 = _fold(acc1, d1, sx1, s0, z0)
-        acc2 = _fold(acc2, d2, sx0, s1, z1)
-        acc3 = _fold(acc3, d3, sx1, s1, z1)
+        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
+                                         _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1, sz01)
         if GROUPS_PER_WARP == 2:
-            s2 = tl.load(s_ptr + t * SSK + ln2 * SSN).to(tl.float32)
-            s3 = tl.load(s_ptr + t * SSK + ln3 * SSN).to(tl.float32)
-            z2 = (_zero_of(z_ptr, t, ln2, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
-            z3 = (_zero_of(z_ptr, t, ln3, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
-            e0, e1, e2, e3 = _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM)
-            acc4 = _fold(acc4, e0, sx0, s2, z2)
-            acc5 = _fold(acc5, e1, sx1, s2, z2)
-            acc6 = _fold(acc6, e2, sx0, s3, z3)
-            acc7 = _fold(acc7, e3, sx1, s3, z3)
+            sz23 = _scale_zero(s_ptr, z_ptr, t, ln2, ln3, ZMODE, C, SZK, SZN, SSK, SSN)
+            acc4, acc5, acc6, acc7 = _folded(acc4, acc5, acc6, acc7,
+                                             _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM), sx0, sx1,
+                                             sz23)
     # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1 (and n2, n3)
     m0 = 2 * c
     m1 = m0 + 1
@@ -427,22 +431,12 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
     if not layout_fits(lay):
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
-    if x.dim() != 2 or not 1 <= x.shape[0] <= M_MAX or x.shape[1] != K or x.dtype != torch.bfloat16:
-        raise ValueError(f"int4_mma_sync: x must be bf16 [M <= {M_MAX}, {K}], got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or bias.device != x.device):
-        raise ValueError(f"int4_mma_sync: bias must be a contiguous [{N}] vector on {x.device}, "
-                         f"got {tuple(bias.shape)}")
+    check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
             or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
-        if lay.code_dims == ("k", "n"):
-            code = (K // 8, N), (torch.int32,)
-        else:
-            code = (N, K // 2), (torch.uint8,)
-            if leaves[lay.code].data_ptr() % 4:
-                raise ValueError("int4_mma_sync: the packed bytes must start 4-byte aligned (read as words)")
-        check_group_leaves("int4_mma_sync", leaves, lay, K, N, *code)
+        check_k_leaves("int4_mma_sync", leaves, lay, K, N)
         _LEAVES_OK.put((lay, K, N), leaves, True)
 
 
@@ -452,9 +446,7 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split). record:
     called with a ``replay.Replay`` of this call (a contiguous, 16-byte aligned x, no workspace given)."""
     check(x, leaves, lay, K, N, cfg, bias)
-    rec = record is not None and workspace is None and x.is_contiguous() and x.data_ptr() % 16 == 0
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)  # rows read 16 bytes at a time (at most 8 rows)
+    x, rec = _rows(x, record is not None and workspace is None)
     M = x.shape[0]
     tiles_n = cdiv(N, cfg.BLOCK_N)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -464,21 +456,25 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     consts = _constexprs(lay, K, N)
     launch = replay.launch(int4_mma_sync_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M), dict(
-        **consts, HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP,
-        VEC=consts["SQK"] == 1 and q.data_ptr() % 16 == 0, ASM=not _INTERPRET, THREADS=32 * cfg.num_warps,
-        PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps), rec)
+        **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0),
+        num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
 
 
-MAX_MEMBERS = 3
+def _rows(x: torch.Tensor, record: bool):
+    """(x as the kernel reads it: contiguous rows from a 16-byte aligned start, 16 bytes at a time; a copy
+    of at most 8 rows where it is not, whether the call may be recorded: only an x read in place)."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x, record
+    return x.clone(memory_format=torch.contiguous_format), False
 
 
-def _element_offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
-    """How many elements of ``base``'s dtype ``t`` starts after ``base`` (None: not a whole number)."""
-    d = t.data_ptr() - base.data_ptr()
-    return d // base.element_size() if d % base.element_size() == 0 and t.dtype == base.dtype else None
+def _options(cfg: Int4MmaSync, vec: bool) -> dict:
+    """The config's compile-time arguments, shared by the single and the grouped kernel."""
+    return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
@@ -488,7 +484,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     leaves not a whole number of elements apart, 16-byte loads for some members' words and not others'.
     Each output is the member's own launch's with the same config, bit for bit. workspace: the fp32
     ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay of this call."""
-    from fusekern.kernels.packed_gemv_group import GemvGroupReplay, group_outputs, member_fields
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
 
     if not 2 <= len(members) <= MAX_MEMBERS:
         return None
@@ -502,15 +498,14 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     words = [_words_i32(leaves, lay) for leaves in members]
     zeros = [leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else w for leaves, w in zip(members, words)]
     scales = [leaves[lay.scale] for leaves in members]
-    offsets = [[_element_offset(t[i], t[0]) for t in (words, scales, zeros)] for i in range(1, len(members))]
+    offsets = [[_offset(t[i], t[0]) if t[i].dtype == t[0].dtype else None for t in (words, scales, zeros)]
+               for i in range(1, len(members))]
     if any(o is None for offs in offsets for o in offs):
         return None
     vec = consts[0]["SQK"] == 1 and all(w.data_ptr() % 16 == 0 for w in words)
     if consts[0]["SQK"] == 1 and not vec and any(w.data_ptr() % 16 == 0 for w in words):
         return None  # (16-byte loads for some members only: not each member's own launch)
-    rec = record is not None and workspace is None and x.is_contiguous() and x.data_ptr() % 16 == 0
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
+    x, rec = _rows(x, record is not None and workspace is None)
     M = x.shape[0]
     tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
     outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
@@ -518,17 +513,10 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        K=K, **{k: v for k, v in consts[0].items() if k != "K"}, SPLIT_K=cfg.SPLIT_K,
-        GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET, THREADS=32 * cfg.num_warps,
-        PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps), rec)
+        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
-
-
-def split_k(N: int, K: int, cfg_block_n: int, sms: int, per_sm: int) -> int:
-    """``int4_mma``'s rule: about ``per_sm`` programs per SM, a divisor of the K groups, at most 16."""
-    return split_k_for(N, K, cfg_block_n, sms, per_sm)
 
 
 # ----------------------------------------------------------------------------- builds for the report
@@ -551,8 +539,7 @@ def aot_builds():
                 args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                             ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
                 consts = _constexprs(lay, K, N)
-                ce = dict(consts, HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP,
-                          VEC=consts["SQK"] == 1, ASM=True, THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
+                ce = {**consts, "HAS_BIAS": False, **_options(cfg, consts["SQK"] == 1), "ASM": True}
                 builds.append(TritonBuild("int4_mma_sync", f"{name} GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
                                           f"PREFETCH={cfg.PREFETCH} "
                                           f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [{N}x{K}]",
@@ -568,8 +555,7 @@ def aot_builds():
         args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
                     cnt_ptr="*i32", **members)
         consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
-        ce = dict(consts, SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=True, ASM=True,
-                  THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
+        ce = {**consts, **_options(cfg, True), "ASM": True}
         builds.append(TritonBuild("int4_mma_sync_group", f"int4_k_stack GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
                                   f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [1x({'+'.join(map(str, Ns))})x{K}]",
                                   int4_mma_sync_group_kernel, args, ce, cfg.num_warps, 1))
