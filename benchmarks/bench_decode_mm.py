@@ -82,10 +82,12 @@ def main():
                        floor_us=round(floor_us(M, N, K, ws), 2))
             for v, fn in variants.items():
                 fn()
-                row[f"{v}_call_us"] = round(triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3, 2)
+                row[f"{v}_call_us"] = round(
+                    triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, 2)
                 if v not in ("eager", "cublas_bf16"):
                     try:
-                        row[f"{v}_graph_us"] = round(triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3, 2)
+                        row[f"{v}_graph_us"] = round(
+                            triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3, 2)
                     except Exception as e:  # not capturable
                         row[f"{v}_graph_us"] = f"n/a ({type(e).__name__})"
             row.update(info)

@@ -51,8 +51,8 @@ def main():
         for name, fn in variants.items():
             got = fn(logits, ids, T)
             ok = torch.equal(got.reshape(-1), want.reshape(-1))
-            us = triton.testing.do_bench(lambda: fn(logits, ids, T)) * 1e3
-            us_cg = triton.testing.do_bench_cudagraph(lambda: fn(logits, ids, T)) * 1e3
+            us = triton.testing.do_bench(lambda: fn(logits, ids, T), return_mode="median") * 1e3
+            us_cg = triton.testing.do_bench_cudagraph(lambda: fn(logits, ids, T), return_mode="median") * 1e3
             print(f"B={B:4d} {name:9s} {us:8.1f} us  cudagraph {us_cg:8.1f} us  floor {floor:.2f}  equal={ok}", flush=True)
             out.write(dict(B=B, V=V, variant=name, median_us=round(us, 2), cudagraph_us=round(us_cg, 2),
                            floor_us=round(floor, 3), tokens_equal=ok, **info))

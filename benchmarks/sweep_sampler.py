@@ -80,7 +80,7 @@ def main():
                 got = S.sample_triton(logits, T, K, P, seed=seed, noise=q, **cfg).tolist()
                 exact = got == want
                 us = triton.testing.do_bench_cudagraph(lambda: S.sample_triton(logits, T, K, P, seed=seed, **cfg),
-                                                       rep=100) * 1e3
+                                                       rep=100, return_mode="median") * 1e3
                 err = ""
             except Exception as e:  # a config that does not compile or fit: recorded, the sweep goes on
                 exact, us, err = False, float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
@@ -95,7 +95,7 @@ def main():
         print(f"B={B}: best {best}", flush=True)
         if before is not None:  # the previous kernel (benchmarks/_sampler_before.py, untracked), same run
             us = triton.testing.do_bench_cudagraph(lambda: before.sample_triton(logits, T, K, P, seed=seed),
-                                                   rep=100) * 1e3
+                                                   rep=100, return_mode="median") * 1e3
             exact = before.sample_triton(logits, T, K, P, seed=seed, noise=q).tolist() == want
             out.write(dict(**meta, B=B, V=V, block=0, warps=0, span=0, slots=0, sub=0, gather="", tag="before",
                            median_us=round(us, 2), exact=exact, error=""))

@@ -40,9 +40,10 @@ def main():
                 _, cnt, cand = S.sample_triton(logits, T, K, P, seed=seed, step1_only=True, **knobs)
                 over = int((cnt > cand.shape[-1]).sum())
                 whole = triton.testing.do_bench_cudagraph(
-                    lambda: S.sample_triton(logits, T, K, P, seed=seed, **knobs), rep=50) * 1e3
+                    lambda: S.sample_triton(logits, T, K, P, seed=seed, **knobs), rep=50, return_mode="median") * 1e3
                 step1 = triton.testing.do_bench_cudagraph(
-                    lambda: S.sample_triton(logits, T, K, P, seed=seed, step1_only=True, **knobs), rep=50) * 1e3
+                    lambda: S.sample_triton(logits, T, K, P, seed=seed, step1_only=True, **knobs), rep=50,
+                    return_mode="median") * 1e3
                 out.write(dict(**meta, B=B, V=V, logits_seed=100 + draw, chunk_warps=warps,
                                sampler_us=round(whole, 2), step1_us=round(step1, 2), chunks_overflowed=over))
                 print(f"B={B} draw {draw} warps {warps}: {whole:6.2f} us (step 1 {step1:6.2f}), "
