@@ -1,4 +1,4 @@
-"""Does asking L2 for int4_mma_sync's words early bring it closer to the floor? (probe, H200)
+"""Does asking L2 or L1 for int4_mma_sync's operands early bring it closer to the floor? (probe, H200)
 
     python benchmarks/proto/probe_int4_sync_l2.py [--csv OUT.csv] [--shapes 8192x8192,...]
 
@@ -33,7 +33,9 @@ from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
 from fusekern.kernels import packed_mm as pm  # noqa: E402
 from fusekern.kernels.int4_mma import split_k_for  # noqa: E402
 
-# the first run (int4_mma_sync_l2_probe.csv): the L2 hints; the second: L1 and the operands a group ahead
+# The variants were config fields of the kernel at git 5dbb860 (run there: int4_mma_sync_l2_probe.csv with
+# --variants l2, int4_mma_sync_l1_probe.csv with --variants l1); only skipping L1 for the words won, and the
+# kernel now always does it. Today the probe times the shipped kernel (no variants).
 L2_VARIANTS = [dict(L2=0), dict(L2=1), dict(L2=2), dict(L2=3), dict(L2_AHEAD=2), dict(L2_AHEAD=4),
                dict(L2=1, PREFETCH=2)]
 L1_VARIANTS = [dict(), dict(NOALLOC=True), dict(X_AHEAD=1), dict(X_AHEAD=2), dict(NOALLOC=True, X_AHEAD=1),
@@ -73,7 +75,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,4096x4096,28672x4096,4096x14336")
-    ap.add_argument("--variants", choices=("l2", "l1"), default="l1")
+    ap.add_argument("--variants", choices=("l2", "l1", "none"), default="none",
+                    help="l2 / l1: the variants (git 5dbb860 only); none: the shipped kernel")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -107,7 +110,8 @@ def main():
                                                            UNROLL=unroll, num_warps=4)
             row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} {per_sm}/SM", "",
                 median_us(read(0)), median_us(rotating(read, copies)))
-        for cfg in configs(N, K, sms, L2_VARIANTS if args.variants == "l2" else L1_VARIANTS):
+        variants = {"l2": L2_VARIANTS, "l1": L1_VARIANTS, "none": [dict()]}[args.variants]
+        for cfg in configs(N, K, sms, variants):
             try:
                 got = pm.packed_mm(x, leaves, lay, K, N, cfg).float()
                 err = f"{((got - ref).norm() / ref.norm()).item():.2e}"

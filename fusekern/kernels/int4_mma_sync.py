@@ -19,8 +19,8 @@ tile. Here each warp is on its own, with no shared memory and no barrier:
 - 128 + q is exact in bf16 and the MMA sums in fp32, so a group's product is ``sum (128 + q) x``; a second
   MMA with A all ones gives ``sum x`` in the same registers, and per group and column
   ``acc += s * (d - (128 + z + c) * sum x)``: no subtraction per value.
-- Each lane loads what it decodes (16-byte loads where the words run along K), the next group's words are
-  loaded before this group's are decoded, and K is split over programs, reduced in the launch by the last
+- Each lane loads what it decodes (16-byte loads where the words run along K, past L1), the next group's
+  words are loaded before this group's are decoded, and K is split over programs, reduced in the launch by the last
   program of a column tile (split order: deterministic), as ``int4_mma`` does.
 Two or three weights that multiply the same x (a decoder's q / k / v, gate / up) can share one launch
 (``int4_mma_sync_group``: the members' column tiles in one grid, as ``packed_gemv_group`` does).
@@ -61,15 +61,6 @@ class Int4MmaSync:
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
     # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
     PREFETCH: int = 1
-    # L2 prefetch of the words (VEC layouts only; probe: benchmarks/proto/probe_int4_sync_l2.py):
-    # 0 none, 1 the word loads carry .L2::256B, 2 each lane bulk-prefetches its quarter of its columns' K slice
-    # into L2 at the start (cp.async.bulk.prefetch), 3 both
-    L2: int = 0
-    L2_AHEAD: int = 0  # groups ahead each lane prefetches into L2 (prefetch.global.L2) in the loop; 0 none
-    NOALLOC: bool = False  # the word loads skip L1 (.L1::no_allocate), keeping x and the scales there
-    # the next group's x: 0 loaded when used, 1 asked of L1 a group ahead (prefetch.global.L1), 2 loaded into
-    # registers a group ahead with the next group's scales and zeros
-    X_AHEAD: int = 0
 
     @property
     def BLOCK_N(self) -> int:
@@ -95,16 +86,12 @@ def _thread_index(like, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, HINT: tl.constexpr = False,
-           NOALLOC: tl.constexpr = False):
-    """Four int32 at ptr, ptr + STRIDE, ... (one 16-byte load where VEC: STRIDE 1, 16-byte aligned). HINT:
-    the load asks L2 to fetch the 256 bytes around it from DRAM (the next groups of the same column)."""
-    if ASM and VEC and NOALLOC:
+def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr = False):
+    """Four int32 at ptr, ptr + STRIDE, ... (one 16-byte load where VEC: STRIDE 1, 16-byte aligned). WORDS: the
+    codes, read once, skip L1 (.L1::no_allocate) so that x and the scales, read again, stay there: 2-6%
+    faster with the weights coming from DRAM (benchmarks/results/h200/int4_mma_sync_l1_probe.csv)."""
+    if ASM and VEC and WORDS:
         return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                         is_pure=True, pack=1)
-    elif ASM and VEC and HINT:
-        return tl.inline_asm_elementwise("ld.global.nc.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];",
                                          "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
                                          is_pure=True, pack=1)
     elif ASM and VEC:
@@ -112,31 +99,6 @@ def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, HINT
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         return tl.load(ptr), tl.load(ptr + STRIDE), tl.load(ptr + 2 * STRIDE), tl.load(ptr + 3 * STRIDE)
-
-
-@triton.jit
-def _prefetch_l2(ptr, ASM: tl.constexpr):
-    """Ask L2 for the line at ptr (no register, no wait)."""
-    if ASM:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_l1(ptr, ASM: tl.constexpr):
-    """Ask L1 for the line at ptr (no register, no wait)."""
-    if ASM:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _bulk_prefetch_l2(ptr, nbytes, ASM: tl.constexpr):
-    """Ask L2 for nbytes (int32 per thread: a multiple of 16) from ptr (16-byte aligned) with one instruction
-    (sm_90)."""
-    if ASM:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -283,12 +245,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, L2: tl.constexpr = 0,
-                         L2_AHEAD: tl.constexpr = 0, NOALLOC: tl.constexpr = False, X_AHEAD: tl.constexpr = 0):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, L2, L2_AHEAD, NOALLOC, X_AHEAD)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -305,9 +266,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, L2: tl.constexpr = 0,
-                               L2_AHEAD: tl.constexpr = 0, NOALLOC: tl.constexpr = False,
-                               X_AHEAD: tl.constexpr = 0):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -319,8 +278,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, L2,
-                 L2_AHEAD, NOALLOC, X_AHEAD)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -328,8 +286,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, L2: tl.constexpr,
-                 L2_AHEAD: tl.constexpr, NOALLOC: tl.constexpr, X_AHEAD: tl.constexpr):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
@@ -358,76 +315,43 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     wp0 = q_ptr + ln0.to(tl.int64) * SQN + (c * 4) * SQK
     wp1 = q_ptr + ln1.to(tl.int64) * SQN + (c * 4) * SQK
     GW: tl.constexpr = 16 * SQK  # a group's words
-    HINT: tl.constexpr = (L2 % 2) == 1
+    nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
+    nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
+    LAST = t0 + PER - 1
+    if PREFETCH == 2:
+        mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
+        mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
     if GROUPS_PER_WARP == 2:
         wp2 = q_ptr + ln2.to(tl.int64) * SQN + (c * 4) * SQK
         wp3 = q_ptr + ln3.to(tl.int64) * SQN + (c * 4) * SQK
-    if VEC and L2 >= 2:  # lane c asks L2 for the c-th quarter of its columns' slice (words t0 * 16 on, PER * 64 B)
-        qb = tl.full((THREADS,), PER * 16, tl.int32)
-        _bulk_prefetch_l2(q_ptr + ln0.to(tl.int64) * SQN + t0 * GW + c * (PER * 4), qb, ASM)
-        _bulk_prefetch_l2(q_ptr + ln1.to(tl.int64) * SQN + t0 * GW + c * (PER * 4), qb, ASM)
-        if GROUPS_PER_WARP == 2:
-            _bulk_prefetch_l2(q_ptr + ln2.to(tl.int64) * SQN + t0 * GW + c * (PER * 4), qb, ASM)
-            _bulk_prefetch_l2(q_ptr + ln3.to(tl.int64) * SQN + t0 * GW + c * (PER * 4), qb, ASM)
-    nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, HINT, NOALLOC)
-    nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, HINT, NOALLOC)
-    LAST = t0 + PER - 1
-    if PREFETCH == 2:
-        mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, HINT, NOALLOC)
-        mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, HINT, NOALLOC)
-    if GROUPS_PER_WARP == 2:
-        nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, HINT, NOALLOC)
-        ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, HINT, NOALLOC)
+        nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
+        ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
     zero = tl.zeros((THREADS,), tl.float32)
     acc0, acc1, acc2, acc3 = zero, zero, zero, zero
     acc4, acc5, acc6, acc7 = zero, zero, zero, zero
-    if X_AHEAD == 2:
-        nxa = _load4(xq_ptr + t0 * 64, True, 1, ASM)
-        nxb = _load4(xq_ptr + t0 * 64 + 4, True, 1, ASM)
-        nxc = _load4(xq_ptr + t0 * 64 + 8, True, 1, ASM)
-        nxd = _load4(xq_ptr + t0 * 64 + 12, True, 1, ASM)
-        nsz01 = _scale_zero(s_ptr, z_ptr, t0, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
     for t in range(t0, t0 + PER):
         w0, w1, w2, w3 = nw0, nw1, nw2, nw3
         v0, v1, v2, v3 = nv0, nv1, nv2, nv3
         tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
-        if L2_AHEAD > 0:
-            ta = tl.minimum(t + L2_AHEAD, LAST) * GW
-            _prefetch_l2(wp0 + ta, ASM)
-            _prefetch_l2(wp1 + ta, ASM)
-            if GROUPS_PER_WARP == 2:
-                _prefetch_l2(wp2 + ta, ASM)
-                _prefetch_l2(wp3 + ta, ASM)
         if PREFETCH == 2:
             nw0, nw1, nw2, nw3 = mw0, mw1, mw2, mw3
             nv0, nv1, nv2, nv3 = mv0, mv1, mv2, mv3
-            mw0, mw1, mw2, mw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
-            mv0, mv1, mv2, mv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
+            mw0, mw1, mw2, mw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
+            mv0, mv1, mv2, mv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
         else:
-            nw0, nw1, nw2, nw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
-            nv0, nv1, nv2, nv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
+            nw0, nw1, nw2, nw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
+            nv0, nv1, nv2, nv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
         if GROUPS_PER_WARP == 2:
             u0, u1, u2, u3 = nu0, nu1, nu2, nu3
             y0, y1, y2, y3 = ny0, ny1, ny2, ny3
-            nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
-            ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, HINT, NOALLOC)
-        if X_AHEAD == 2:
-            xa, xb, xc, xd, sz01 = nxa, nxb, nxc, nxd, nsz01
-            t1 = tl.minimum(t + 1, LAST)
-            nxa = _load4(xq_ptr + t1 * 64, True, 1, ASM)
-            nxb = _load4(xq_ptr + t1 * 64 + 4, True, 1, ASM)
-            nxc = _load4(xq_ptr + t1 * 64 + 8, True, 1, ASM)
-            nxd = _load4(xq_ptr + t1 * 64 + 12, True, 1, ASM)
-            nsz01 = _scale_zero(s_ptr, z_ptr, t1, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
-        else:
-            if X_AHEAD == 1:
-                _prefetch_l1(xq_ptr + tl.minimum(t + 1, LAST) * 64, ASM)
-            xa = _load4(xq_ptr + t * 64, True, 1, ASM)
-            xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
-            xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
-            xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
-            sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
+            nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
+            ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True)
+        xa = _load4(xq_ptr + t * 64, True, 1, ASM)
+        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
+        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
+        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
         xs = _x_pairs(xa + xb + xc + xd, ASM)
+        sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
         sx0, sx1 = _sum_x(xs, ASM)
         acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
                                          _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1, sz01)
@@ -515,8 +439,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
     check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
-            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2) or cfg.L2 not in (0, 1, 2, 3) or cfg.L2_AHEAD < 0 \
-            or cfg.X_AHEAD not in (0, 1, 2):
+            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         check_k_leaves("int4_mma_sync", leaves, lay, K, N)
@@ -557,8 +480,7 @@ def _rows(x: torch.Tensor, record: bool):
 def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, L2=cfg.L2, L2_AHEAD=cfg.L2_AHEAD,
-                NOALLOC=cfg.NOALLOC, X_AHEAD=cfg.X_AHEAD)
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
