@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: clock warm-up and CSV output."""
+"""Shared by the benchmark scripts: clock warm-up, cold calls, timing and CSV output."""
 from __future__ import annotations
 
 import csv
@@ -13,6 +13,28 @@ def warm_up_clocks(device: str = "cuda") -> None:
     """Bring the SM clock up before the first timing (the card idles at a low clock)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     triton.testing.do_bench(lambda: a @ a, warmup=200, rep=300)
+
+
+COLD_BYTES = 120_000_000  # over twice the H200's 50 MB L2
+
+
+def copies_for_cold(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` and enough clones of them that cycling through the copies reads more than ``COLD_BYTES``:
+    each call then reads its weight from DRAM, as a decoder's layers do (``do_bench_cudagraph`` repeats one
+    call, so a weight that fits L2 is otherwise partly read from it)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    n = max(2, -(-COLD_BYTES // max(nbytes, 1)))
+    return [list(tensors)] + [[t.clone() for t in tensors] for _ in range(n - 1)]
+
+
+def cycling(calls: list):
+    """One function that runs ``calls[0]``, ``calls[1]``, ... in turn (a CUDA graph captures them in turn)."""
+    state = [len(calls) - 1]
+
+    def fn():
+        state[0] = (state[0] + 1) % len(calls)
+        return calls[state[0]]()
+    return fn
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -69,13 +91,14 @@ def versions() -> dict:
                 cutlass_dsl=cutlass_dsl, git_sha=git_sha())
 
 
-def check_and_time(fn, ref: torch.Tensor, rep: int = 50) -> tuple[float, float | str]:
-    """(relative error of ``fn()`` against ``ref``, median µs of ``do_bench_cudagraph(fn)``) for one
-    config of a sweep; a config that does not compile or fit gives (nan, "n/a (ErrorName...)")."""
+def check_and_time(fn, ref: torch.Tensor, rep: int = 50, timed=None) -> tuple[float, float | str]:
+    """(relative error of ``fn()`` against ``ref``, median µs of ``do_bench_cudagraph(timed or fn)``) for one
+    config of a sweep (``timed``: e.g. ``cycling`` calls over cold copies of the weight); a config that does
+    not compile or fit gives (nan, "n/a (ErrorName...)")."""
     try:
         got = fn().float()
         err = ((got - ref).norm() / ref.norm()).item()
-        return err, triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+        return err, triton.testing.do_bench_cudagraph(timed or fn, rep=rep, return_mode="median") * 1e3
     except Exception as e:
         return float("nan"), f"n/a ({type(e).__name__}: {str(e)[:80]})"
 

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
+from bench_common import RowWriter, check_and_time, copies_for_cold, cycling, versions, warm_up_clocks
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import packed_mm as pm
 from fusekern.patterns.decode.formats import recognize
@@ -51,7 +51,8 @@ def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None =
     """One kernel's configs (``configs(N, K, sms)``) beside the dispatcher's other candidates (``args.others``)
     for each of ``args.formats``, ``args.shapes`` (N x K) and ``args.ms``: every config checked against the
     float64 reference and timed in a CUDA graph (median), a CSV row each (``args.csv``), and each kernel's
-    fastest printed (``best_max_err``: only configs within this error count)."""
+    fastest printed (``best_max_err``: only configs within this error count). ``args.cold``: each call reads
+    another copy of the weight (``copies_for_cold``), so the weight comes from DRAM as in a decoder."""
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
@@ -67,10 +68,12 @@ def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None =
                 others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
                           if not isinstance(c, kernel_cls)] if args.others else []
                 best = {}
+                weights = copies_for_cold(leaves) if getattr(args, "cold", False) else [leaves]
                 for cfg in others + configs(N, K, sms):
-                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
+                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref, timed=cycling(
+                        [lambda w=w, cfg=cfg: pm.packed_mm(x, w, lay, K, N, cfg) for w in weights]))
                     kind = type(cfg).__name__
-                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg),
+                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg), cold=len(weights) > 1,
                                us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
                                x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
                     out.write(row)

@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336,128256x4096")
     ap.add_argument("--others", type=int, default=1, help="0: only int4_mma_n configs")
     ap.add_argument("--grid", default="variants", choices=("variants", "dispatcher"))
+    ap.add_argument("--cold", action="store_true", help="each call reads another copy of the weight (from DRAM)")
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
     sweep_against_others(args, imn.Int4MmaN, lambda N, K, sms: configs(N, K, sms, args.grid))

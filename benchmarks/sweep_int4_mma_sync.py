@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--formats", default="int4_k_stack,gptq")
     ap.add_argument("--shapes", default="14336x4096,4096x14336,4096x4096,8192x8192,1024x4096")
     ap.add_argument("--others", type=int, default=1, help="0: only int4_mma_sync configs")
+    ap.add_argument("--cold", action="store_true", help="each call reads another copy of the weight (from DRAM)")
     ap.add_argument("--ms", default="1,8")
     args = ap.parse_args()
     sweep_against_others(args, ims.Int4MmaSync, configs, best_max_err=4e-3)

@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
-from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, copies_for_cold, cycling, versions, warm_up_clocks  # noqa: E402
 from bench_int4_mma import floor_us, zoo_weight  # noqa: E402
 from probe_int4_m1 import stream_read_kernel  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
@@ -46,17 +46,6 @@ def median_us(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-
-
-def rotating(make_call, copies: int):
-    """A function that calls ``make_call(i)``'s call for copy i = 0, 1, ... in turn (captured in turn)."""
-    calls = [make_call(i) for i in range(copies)]
-    state = [0]
-
-    def fn():
-        state[0] = (state[0] + 1) % copies
-        return calls[state[0]]()
-    return fn
 
 
 def configs(N: int, K: int, sms: int, variants) -> list:
@@ -86,8 +75,8 @@ def main():
         N, K = map(int, shape.split("x"))
         _, leaves, lay = zoo_weight("int4_k_stack", N, K)
         nbytes = sum(t.numel() * t.element_size() for t in leaves)
-        copies = max(2, -(-120_000_000 // nbytes))
-        weights = [leaves] + [[t.clone() for t in leaves] for _ in range(copies - 1)]
+        weights = copies_for_cold(leaves)
+        copies = len(weights)
         fl = floor_us(leaves, N, K, 1)
         x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
         ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
@@ -109,7 +98,7 @@ def main():
                 return lambda: stream_read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block,
                                                            UNROLL=unroll, num_warps=4)
             row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} {per_sm}/SM", "",
-                median_us(read(0)), median_us(rotating(read, copies)))
+                median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
         variants = {"l2": L2_VARIANTS, "l1": L1_VARIANTS, "none": [dict()]}[args.variants]
         for cfg in configs(N, K, sms, variants):
             try:
@@ -118,7 +107,8 @@ def main():
 
                 def call(i, cfg=cfg):
                     return lambda: pm.packed_mm(x, weights[i], lay, K, N, cfg)
-                row("Int4MmaSync", str(cfg), err, median_us(call(0)), median_us(rotating(call, copies)))
+                row("Int4MmaSync", str(cfg), err, median_us(call(0)),
+                    median_us(cycling([call(i) for i in range(copies)])))
             except Exception as e:  # a config that does not compile or fit
                 print(f"  {cfg}: n/a ({type(e).__name__}: {str(e)[:100]})", flush=True)
     out.close()
