@@ -1,10 +1,12 @@
-"""Launches for ncu: int4_mma_sync's shipped configs and a streaming read of the same codes (probe, H200)
+"""Launches for ncu: int4_mma_sync's configs (one or two column groups per warp, and two groups of words
+ahead, which the dispatcher does not offer) and a streaming read of the same codes (probe, H200)
 
     ncu --clock-control none -k regex:'int4_mma_sync|stream_read' --metrics <...> --csv \
         python3 benchmarks/proto/ncu_int4_mma_sync.py
 
 Each kernel runs twice (ncu flushes caches between launches by default: the weights come from DRAM, as in a
-decoder); ``benchmarks/results/h200/int4_mma_sync_ncu.csv`` keeps both launches, labelled in this order.
+decoder); ``benchmarks/results/h200/int4_mma_sync_ncu.csv`` keeps both launches, labelled in this order
+(run at git 2a94ba5, before the code words skipped L1).
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def check_and_time(fn, ref: torch.Tensor) -> tuple[float, float | str]:
         got = fn()
         got = (torch.cat(got, dim=1) if isinstance(got, list) else got).float()
         err = ((got - ref).norm() / ref.norm()).item()
-        return err, triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+        return err, triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
     except Exception as e:
         return float("nan"), f"n/a ({type(e).__name__}: {str(e)[:80]})"
 

@@ -25,16 +25,19 @@ for fmt, N, K in (("int4_k_stack", 8192, 8192), ("int4_k_stack", 4096, 4096), ("
         err = lambda o: ((o.float() - ref).norm() / ref.norm()).item()
         pm.gemv_x_prep = real_prep
         e_full = err(pm.gemv(x, leaves, lay, K, N, cfg))
-        t_full = triton.testing.do_bench_cudagraph(lambda: pm.gemv(x, leaves, lay, K, N, cfg), rep=50) * 1e3
+        t_full = triton.testing.do_bench_cudagraph(lambda: pm.gemv(x, leaves, lay, K, N, cfg), rep=50,
+                                                   return_mode="median") * 1e3
         t_prep = t_gemv = ""
         if cfg.xpre:
             word_i32, p, order = pm._words(lay, leaves[lay.code])
             xp, xc, _ = pm.prep_x(x, lay, p, order, cfg.BLOCK_K, False)
-            t_prep = triton.testing.do_bench_cudagraph(lambda: pm.prep_x(x, lay, p, order, cfg.BLOCK_K, False), rep=50) * 1e3
+            t_prep = triton.testing.do_bench_cudagraph(lambda: pm.prep_x(x, lay, p, order, cfg.BLOCK_K, False), rep=50,
+                                                       return_mode="median") * 1e3
             pm.gemv_x_prep = lambda *a, **k: (xp, xc, None)
             e_g = err(pm.gemv(x, leaves, lay, K, N, cfg))
             assert abs(e_g - e_full) < 1e-6, (e_g, e_full)
-            t_gemv = triton.testing.do_bench_cudagraph(lambda: pm.gemv(x, leaves, lay, K, N, cfg), rep=50) * 1e3
+            t_gemv = triton.testing.do_bench_cudagraph(lambda: pm.gemv(x, leaves, lay, K, N, cfg), rep=50,
+                                                       return_mode="median") * 1e3
             pm.gemv_x_prep = real_prep
         r = dict(**meta, format=fmt, shape=f"{N}x{K}", config=str(cfg), us_call=round(t_full, 2),
                  us_prep_alone=t_prep if t_prep == "" else round(t_prep, 2),

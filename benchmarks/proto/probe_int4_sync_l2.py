@@ -1,17 +1,18 @@
 """Does asking L2 or L1 for int4_mma_sync's operands early bring it closer to the floor? (probe, H200)
 
-    python benchmarks/proto/probe_int4_sync_l2.py [--csv OUT.csv] [--shapes 8192x8192,...]
+    python benchmarks/proto/probe_int4_sync_l2.py [--csv OUT.csv] [--shapes 8192x8192,...] [--variants none]
 
 int4 two codes per byte (the demo's W4A16, 8-bit zeros), M = 1. Per shape:
 1. the practical floor: a streaming read of the same code bytes (``probe_int4_m1.stream_read_kernel``, the
    best of three grids);
-2. ``int4_mma_sync`` with ``--variants l2``: the L2 prefetch variants (``Int4MmaSync.L2``: the word loads
-   carry .L2::256B, a bulk prefetch of each program's K slice at its start, both; ``L2_AHEAD``:
-   prefetch.global.L2 of the words 2 or 4 groups ahead); ``--variants l1``: the word loads skip L1
-   (``NOALLOC``), the next group's x asked of L1 or loaded into registers with its scales and zeros a group
-   ahead (``X_AHEAD`` 1, 2); one or two column groups per warp, K split for about 4 or 8 programs per SM.
+2. ``int4_mma_sync``, one or two column groups per warp, K split for about 4 or 8 programs per SM: by
+   default (``--variants none``) the kernel as it ships. ``--variants l2`` / ``l1`` only run at git 5dbb860,
+   where the variants were config fields: ``L2`` (the word loads carry .L2::256B, a bulk prefetch of each
+   program's K slice at its start, both), ``L2_AHEAD`` (prefetch.global.L2 of the words 2 or 4 groups ahead),
+   ``NOALLOC`` (the word loads skip L1: the one that won, now always on), ``X_AHEAD`` (the next group's x asked
+   of L1, or loaded into registers with its scales and zeros, a group ahead).
 Each is timed twice in a CUDA graph (``do_bench_cudagraph``, median): "warm" reads one weight again and again
-(what the sweeps so far measured: at 8.4 MB the weight stays in the 50 MB L2), "cold" cycles through enough
+(what the sweeps so far measured: at 8.4 MB the weight stays in the 60 MB L2), "cold" cycles through enough
 copies (> 120 MB) that every call reads its weight from DRAM, as a decoder's layers do. Every config is
 checked against the float64 reference first.
 """
@@ -100,6 +101,8 @@ def main():
             row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} {per_sm}/SM", "",
                 median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
         variants = {"l2": L2_VARIANTS, "l1": L1_VARIANTS, "none": [dict()]}[args.variants]
+        if args.variants != "none" and not hasattr(ims.Int4MmaSync(), "NOALLOC"):
+            raise SystemExit("--variants l1 / l2: the variants are config fields at git 5dbb860 only")
         for cfg in configs(N, K, sms, variants):
             try:
                 got = pm.packed_mm(x, leaves, lay, K, N, cfg).float()

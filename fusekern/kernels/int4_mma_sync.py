@@ -88,8 +88,9 @@ def _thread_index(like, ASM: tl.constexpr):
 @triton.jit
 def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr = False):
     """Four int32 at ptr, ptr + STRIDE, ... (one 16-byte load where VEC: STRIDE 1, 16-byte aligned). WORDS: the
-    codes, read once, skip L1 (.L1::no_allocate) so that x and the scales, read again, stay there: 2-6%
-    faster with the weights coming from DRAM (benchmarks/results/h200/int4_mma_sync_l1_probe.csv)."""
+    codes, read once, skip L1 (.L1::no_allocate; the 16-byte loads only, GPTQ's words go through tl.load) so
+    that x and the scales, read again, stay there: 2-6% faster with the weights coming from DRAM
+    (benchmarks/results/h200/int4_mma_sync_l1_probe.csv)."""
     if ASM and VEC and WORDS:
         return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
                                          "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
