@@ -47,12 +47,16 @@ def zoo_weight(fmt: str, N: int, K: int):
     return text, [t.cuda() for t in leaves], lay
 
 
-def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None = None) -> None:
-    """One kernel's configs (``configs(N, K, sms)``) beside the dispatcher's other candidates (``args.others``)
-    for each of ``args.formats``, ``args.shapes`` (N x K) and ``args.ms``: every config checked against the
-    float64 reference and timed in a CUDA graph (median), a CSV row each (``args.csv``), and each kernel's
-    fastest printed (``best_max_err``: only configs within this error count). ``args.cold``: each call reads
-    another copy of the weight (``copies_for_cold``), so the weight comes from DRAM as in a decoder."""
+def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None = None, kind=None,
+                         columns=None) -> None:
+    """One kernel's configs (``configs(N, K, sms)``) beside the dispatcher's other candidates (``args.others``,
+    none without it) for each of ``args.formats``, ``args.shapes`` (N x K) and ``args.ms``: every config
+    checked against the float64 reference and timed in a CUDA graph (median), a CSV row each (``args.csv``),
+    and the fastest of each kind printed (``kind(cfg)``, by default the config's class; ``best_max_err``: only
+    configs within this error count). ``columns(cfg)``: more CSV columns of a config. ``args.cold``: each call
+    reads another copy of the weight (``copies_for_cold``), so the weight comes from DRAM as in a decoder."""
+    kind = kind or (lambda cfg: type(cfg).__name__)
+    columns = columns or (lambda cfg: {})
     warm_up_clocks()
     meta = versions()
     out = RowWriter(args.csv)
@@ -66,20 +70,20 @@ def sweep_against_others(args, kernel_cls, configs, best_max_err: float | None =
                 ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
                 floor = floor_us(leaves, N, K, M)
                 others = [c for c in dm._packed_candidates(M, N, K, sms, lay, x.dtype)
-                          if not isinstance(c, kernel_cls)] if args.others else []
+                          if not isinstance(c, kernel_cls)] if getattr(args, "others", 0) else []
                 best = {}
                 weights = copies_for_cold(leaves) if getattr(args, "cold", False) else [leaves]
                 for cfg in others + configs(N, K, sms):
                     err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref, timed=cycling(
                         [lambda w=w, cfg=cfg: pm.packed_mm(x, w, lay, K, N, cfg) for w in weights]))
-                    kind = type(cfg).__name__
-                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=kind, config=str(cfg), cold=len(weights) > 1,
-                               us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
-                               x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
+                    row = dict(**meta, format=fmt, N=N, K=K, M=M, kernel=type(cfg).__name__, config=str(cfg),
+                               cold=len(weights) > 1, **columns(cfg), us=us if isinstance(us, str) else round(us, 2),
+                               floor_us=round(floor, 2), x_floor="" if isinstance(us, str) else round(us / floor, 2),
+                               rel_err=f"{err:.2e}")
                     out.write(row)
                     ok = best_max_err is None or err < best_max_err
-                    if not isinstance(us, str) and ok and us < best.get(kind, (1e9,))[0]:
-                        best[kind] = (us, cfg)
+                    if not isinstance(us, str) and ok and us < best.get(kind(cfg), (1e9,))[0]:
+                        best[kind(cfg)] = (us, cfg)
                     print(f"{fmt} {N}x{K} M={M} {str(cfg):90s} {row['us']!s:>8} us  x{row['x_floor']}  "
                           f"err {row['rel_err']}", flush=True)
                 print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(

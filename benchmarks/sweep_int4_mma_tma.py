@@ -2,7 +2,7 @@
 scale applied before the MMA (``scale_first``: bf16 scales, 128 registers).
 
     python benchmarks/sweep_int4_mma_tma.py [--csv OUT.csv] [--formats gptq,int4_k_stack] [--shapes ...]
-                                            [--ms 1,16] [--grid tma|wide|regs]
+                                            [--ms 1,16] [--grid tma|wide|regs] [--cold]
 
 Every config is checked against the float64 reference and timed in a CUDA graph (``do_bench_cudagraph``,
 median); the floor moves the codes, zeros and scales once at 4.3 TB/s.
@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from bench_common import RowWriter, check_and_time, versions, warm_up_clocks
-from bench_int4_mma import floor_us, zoo_weight
+from bench_int4_mma import sweep_against_others
 from fusekern.kernels import int4_mma as im
-from fusekern.kernels import packed_mm as pm
 
 
 def configs(N: int, K: int, sms: int, grid: str = "tma") -> list:
@@ -59,6 +55,16 @@ def regs_configs(N: int, K: int, sms: int) -> list:
     return list(dict.fromkeys(out))
 
 
+def kind_of(cfg, grid: str) -> str:
+    """The kind a config's best is printed under: direct / tma / scale_first, its register cap, its tile."""
+    kind = "scale_first" if cfg.scale_first else "tma" if cfg.tma else "direct"
+    if cfg.maxnreg:
+        kind += f" maxnreg{cfg.maxnreg}"
+    if grid == "wide":
+        kind += f" {cfg.BLOCK_N}w{cfg.num_warps}"
+    return kind
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -66,40 +72,11 @@ def main():
     ap.add_argument("--shapes", default="8192x8192,4096x4096,14336x4096,4096x14336")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--grid", default="tma", choices=("tma", "wide", "regs"))
+    ap.add_argument("--cold", action="store_true", help="each call reads another copy of the weight (from DRAM)")
     args = ap.parse_args()
-    warm_up_clocks()
-    meta = versions()
-    out = RowWriter(args.csv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for fmt in args.formats.split(","):
-        for shape in args.shapes.split(","):
-            N, K = map(int, shape.split("x"))
-            _, leaves, lay = zoo_weight(fmt, N, K)
-            for M in map(int, args.ms.split(",")):
-                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-                ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
-                floor = floor_us(leaves, N, K, M)
-                best = {}
-                for cfg in configs(N, K, sms, args.grid):
-                    err, us = check_and_time(lambda: pm.packed_mm(x, leaves, lay, K, N, cfg), ref)
-                    row = dict(**meta, format=fmt, N=N, K=K, M=M, config=str(cfg), tma=cfg.tma,
-                               scale_first=cfg.scale_first, maxnreg=cfg.maxnreg or "",
-                               us=us if isinstance(us, str) else round(us, 2), floor_us=round(floor, 2),
-                               x_floor="" if isinstance(us, str) else round(us / floor, 2), rel_err=f"{err:.2e}")
-                    out.write(row)
-                    kind = "scale_first" if cfg.scale_first else "tma" if cfg.tma else "direct"
-                    if cfg.maxnreg:
-                        kind += f" maxnreg{cfg.maxnreg}"
-                    if args.grid == "wide":
-                        kind += f" {cfg.BLOCK_N}w{cfg.num_warps}"
-                    if not isinstance(us, str) and us < best.get(kind, (1e9,))[0]:
-                        best[kind] = (us, cfg)
-                    print(f"{fmt} {N}x{K} M={M} {str(cfg):75s} {row['us']!s:>8} us  x{row['x_floor']}  "
-                          f"err {row['rel_err']}", flush=True)
-                print(f"BEST {fmt} {N}x{K} M={M} floor {floor:.2f}: " + "; ".join(
-                    f"{k} {v[0]:.2f} (sk{v[1].SPLIT_K}, s{v[1].num_stages})"
-                    for k, v in sorted(best.items())), flush=True)
-    out.close()
+    sweep_against_others(args, im.Int4Mma, lambda N, K, sms: configs(N, K, sms, args.grid),
+                         kind=lambda cfg: kind_of(cfg, args.grid),
+                         columns=lambda cfg: dict(tma=cfg.tma, scale_first=cfg.scale_first, maxnreg=cfg.maxnreg or ""))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """Does asking L2 or L1 for int4_mma_sync's operands early bring it closer to the floor? (probe, H200)
 
-    python benchmarks/proto/probe_int4_sync_l2.py [--csv OUT.csv] [--shapes 8192x8192,...] [--variants none]
+    python benchmarks/proto/probe_int4_sync_l2.py [--csv OUT.csv] [--shapes 8192x8192,...]
 
 int4 two codes per byte (the demo's W4A16, 8-bit zeros), M = 1. Per shape:
 1. the practical floor: a streaming read of the same code bytes (``probe_int4_m1.stream_read_kernel``, the
    best of three grids);
-2. ``int4_mma_sync``, one or two column groups per warp, K split for about 4 or 8 programs per SM: by
-   default (``--variants none``) the kernel as it ships. ``--variants l2`` / ``l1`` only run at git 5dbb860,
-   where the variants were config fields: ``L2`` (the word loads carry .L2::256B, a bulk prefetch of each
-   program's K slice at its start, both), ``L2_AHEAD`` (prefetch.global.L2 of the words 2 or 4 groups ahead),
-   ``NOALLOC`` (the word loads skip L1: the one that won, now always on), ``X_AHEAD`` (the next group's x asked
-   of L1, or loaded into registers with its scales and zeros, a group ahead).
+2. ``int4_mma_sync`` in the configs the dispatcher offers (one or two column groups per warp, K split for
+   about 4 or 8 programs per SM).
+At git 5dbb860 the probe also ran the variants, then config fields of the kernel (``--variants l2``:
+``int4_mma_sync_l2_probe.csv``, ``--variants l1``: ``int4_mma_sync_l1_probe.csv``): ``L2`` (the word loads
+carry .L2::256B, a bulk prefetch of each program's K slice at its start, both), ``L2_AHEAD``
+(prefetch.global.L2 of the words 2 or 4 groups ahead), ``NOALLOC`` (the word loads skip L1: the one that won,
+now always on), ``X_AHEAD`` (the next group's x asked of L1, or loaded into registers with its scales and
+zeros, a group ahead).
 Each is timed twice in a CUDA graph (``do_bench_cudagraph``, median): "warm" reads one weight again and again
 (what the sweeps so far measured: at 8.4 MB the weight stays in the 60 MB L2), "cold" cycles through enough
 copies (> 120 MB) that every call reads its weight from DRAM, as a decoder's layers do. Every config is
@@ -19,7 +21,6 @@ checked against the float64 reference first.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -30,18 +31,9 @@ sys.path.insert(0, "benchmarks/proto")
 from bench_common import RowWriter, copies_for_cold, cycling, versions, warm_up_clocks  # noqa: E402
 from bench_int4_mma import floor_us, zoo_weight  # noqa: E402
 from probe_int4_m1 import stream_read_kernel  # noqa: E402
+from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
 from fusekern.kernels import packed_mm as pm  # noqa: E402
-from fusekern.kernels.int4_mma import split_k_for  # noqa: E402
-
-# The variants were config fields of the kernel at git 5dbb860 (run there: int4_mma_sync_l2_probe.csv with
-# --variants l2, int4_mma_sync_l1_probe.csv with --variants l1); only skipping L1 for the words won, and the
-# kernel now always does it. Today the probe times the shipped kernel (no variants).
-L2_VARIANTS = [dict(L2=0), dict(L2=1), dict(L2=2), dict(L2=3), dict(L2_AHEAD=2), dict(L2_AHEAD=4),
-               dict(L2=1, PREFETCH=2)]
-L1_VARIANTS = [dict(), dict(NOALLOC=True), dict(X_AHEAD=1), dict(X_AHEAD=2), dict(NOALLOC=True, X_AHEAD=1),
-               dict(NOALLOC=True, X_AHEAD=2), dict(PREFETCH=2, X_AHEAD=2), dict(L2_AHEAD=2, X_AHEAD=2)]
-
 
 def median_us(fn) -> float:
     fn()
@@ -49,24 +41,10 @@ def median_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
-def configs(N: int, K: int, sms: int, variants) -> list:
-    out = []
-    for gpw in (1, 2):
-        for per_sm in (4, 8):
-            for v in variants:
-                if v.get("PREFETCH") == 2 and gpw == 2:
-                    continue
-                c = ims.Int4MmaSync(GROUPS_PER_WARP=gpw, **v)
-                out.append(dataclasses.replace(c, SPLIT_K=split_k_for(N, K, c.BLOCK_N, sms, per_sm)))
-    return list(dict.fromkeys(out))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,4096x4096,28672x4096,4096x14336")
-    ap.add_argument("--variants", choices=("l2", "l1", "none"), default="none",
-                    help="l2 / l1: the variants (git 5dbb860 only); none: the shipped kernel")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -100,10 +78,7 @@ def main():
                                                            UNROLL=unroll, num_warps=4)
             row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} {per_sm}/SM", "",
                 median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
-        variants = {"l2": L2_VARIANTS, "l1": L1_VARIANTS, "none": [dict()]}[args.variants]
-        if args.variants != "none" and not hasattr(ims.Int4MmaSync(), "NOALLOC"):
-            raise SystemExit("--variants l1 / l2: the variants are config fields at git 5dbb860 only")
-        for cfg in configs(N, K, sms, variants):
+        for cfg in [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, ims.Int4MmaSync)]:
             try:
                 got = pm.packed_mm(x, leaves, lay, K, N, cfg).float()
                 err = f"{((got - ref).norm() / ref.norm()).item():.2e}"
