@@ -1,0 +1,124 @@
+"""Do int4_mma_sync's words come faster through a ring of shared-memory slots (cp.async), or with its MMA
+chains split in two? (probe, H200)
+
+    python benchmarks/proto/probe_int4_sync_ring.py [--csv OUT.csv] [--shapes 8192x8192,...]
+
+int4 two codes per byte (the demo's W4A16, 8-bit zeros), M = 1. Per shape: a streaming read of the same code
+bytes (the practical floor, ``probe_int4_m1.stream_read_kernel``), then ``int4_mma_sync`` in the configs the
+dispatcher offers and each with
+- ``CHAINS=2``: a group's 8 product MMAs (and the 8 for sum x) as two independent chains of 4, added at the
+  end (the chain of dependent MMAs is the longest latency inside an iteration);
+- ``STAGES=S``: the words cp.async'ed into S slots of shared memory private to each lane (S - 1 groups in
+  flight, no registers held for them, no barrier: a lane reads back only what it copied); ncu showed the
+  kernel's warps waiting on memory (long scoreboard) with DRAM under half busy
+  (``int4_mma_sync_ncu.csv``), and holding two groups ahead in registers cost occupancy.
+Timed warm (one weight again and again) and cold (cycling through copies, > 120 MB, so every call reads
+DRAM), ``do_bench_cudagraph`` medians, every config checked against the float64 reference and against
+the plain config bit for bit (same arithmetic; CHAINS changes the order of the fp32 sums).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/proto")
+from bench_common import RowWriter, copies_for_cold, cycling, versions, warm_up_clocks  # noqa: E402
+from bench_int4_mma import floor_us, zoo_weight  # noqa: E402
+from probe_int4_m1 import stream_read_kernel  # noqa: E402
+from fusekern.kernels import decode_mm as dm  # noqa: E402
+from fusekern.kernels import int4_mma as im  # noqa: E402
+from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
+from fusekern.kernels import packed_mm as pm  # noqa: E402
+
+
+RING = False
+
+
+def median_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+def variants(base: list, N: int, K: int, sms: int) -> list:
+    out = list(base)
+    for c in base:
+        if RING:
+            out.append(dataclasses.replace(c, CHAINS=2))
+            for s in ((3, 4, 6) if c.GROUPS_PER_WARP == 1 else (2, 3)):
+                out.append(dataclasses.replace(c, STAGES=s))
+            out.append(dataclasses.replace(c, STAGES=3 if c.GROUPS_PER_WARP == 2 else 4, CHAINS=2))
+        for pin in ("membar.cta", "fence.acq_rel.cta"):
+            out.append(dataclasses.replace(c, PIN=pin))
+    for per_sm in (7, 6, 3):  # the fenced kernel holds more registers (72 for one column group: 7 per SM)
+        for gpw in ((1,) if per_sm > 3 else (1, 2)):
+            c = ims.Int4MmaSync(GROUPS_PER_WARP=gpw, PIN="membar.cta")
+            out.append(dataclasses.replace(c, SPLIT_K=im.split_k_for(N, K, c.BLOCK_N, sms, per_sm)))
+    return list(dict.fromkeys(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,4096x4096")
+    ap.add_argument("--ring", action="store_true", help="also the ring and chain variants")
+    args = ap.parse_args()
+    global RING
+    RING = args.ring
+    warm_up_clocks()
+    meta = versions()
+    out = RowWriter(args.csv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        _, leaves, lay = zoo_weight("int4_k_stack", N, K)
+        weights = copies_for_cold(leaves)
+        copies = len(weights)
+        fl = floor_us(leaves, N, K, 1)
+        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+        ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
+        print(f"== int4_k_stack {N}x{K} M=1 floor {fl:.2f} us ({copies} copies cold)", flush=True)
+
+        def row(kind, cfg, err, warm, cold):
+            out.write(dict(**meta, format="int4_k_stack", N=N, K=K, M=1, kernel=kind, config=cfg,
+                           warm_us=round(warm, 2), cold_us=round(cold, 2), floor_us=round(fl, 2),
+                           x_floor_cold=round(cold / fl, 2), rel_err=err))
+            print(f"  {cfg:110s} warm {warm:7.2f}  cold {cold:7.2f} us  x{cold / fl:.2f}  {err}", flush=True)
+
+        grid, block, unroll = 4 * sms, 512, 8
+        sink = torch.empty(grid * block, dtype=torch.int32, device="cuda")
+        words = [w[0].view(torch.int32) for w in weights]
+
+        def read(i):
+            return lambda: stream_read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block,
+                                                       UNROLL=unroll, num_warps=4)
+        row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} 4/SM", "",
+            median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
+        base = [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, ims.Int4MmaSync)]
+        plain = {}
+        for cfg in variants(base, N, K, sms):
+            try:
+                got = pm.packed_mm(x, leaves, lay, K, N, cfg)
+                err = f"{((got.float() - ref).norm() / ref.norm()).item():.2e}"
+                key = dataclasses.replace(cfg, STAGES=0, PIN="")
+                if cfg.STAGES == 0 and not cfg.PIN:
+                    plain[key] = got
+                elif key in plain and not torch.equal(got, plain[key]):
+                    err += " DIFFERS FROM PLAIN"
+
+                def call(i, cfg=cfg):
+                    return lambda: pm.packed_mm(x, weights[i], lay, K, N, cfg)
+                row("Int4MmaSync", str(cfg).replace("Int4MmaSync", ""), err, median_us(call(0)),
+                    median_us(cycling([call(i) for i in range(copies)])))
+            except Exception as e:  # a config that does not compile or fit
+                print(f"  {cfg}: n/a ({type(e).__name__}: {str(e)[:200]})", flush=True)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
