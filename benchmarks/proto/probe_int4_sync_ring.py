@@ -1,7 +1,11 @@
-"""Do int4_mma_sync's words come faster through a ring of shared-memory slots (cp.async), or with its MMA
-chains split in two? (probe, H200)
+"""Do int4_mma_sync's words come faster through a ring of shared-memory slots (cp.async), with its MMA
+chains split in two, or with its loads pinned before a fence? (probe, H200; the variants are config fields
+of the kernel at git e20b9e2 only, where this runs)
 
-    python benchmarks/proto/probe_int4_sync_ring.py [--csv OUT.csv] [--shapes 8192x8192,...]
+    python benchmarks/proto/probe_int4_sync_ring.py [--csv OUT.csv] [--shapes 8192x8192,...] [--ring]
+
+Results: ``int4_mma_sync_ring_probe.csv`` (``--ring``, before ``PIN`` existed) and
+``int4_mma_sync_fence_probe.csv`` (the default run). None was faster cold than the plain kernel.
 
 int4 two codes per byte (the demo's W4A16, 8-bit zeros), M = 1. Per shape: a streaming read of the same code
 bytes (the practical floor, ``probe_int4_m1.stream_read_kernel``), then ``int4_mma_sync`` in the configs the
@@ -11,7 +15,11 @@ dispatcher offers and each with
 - ``STAGES=S``: the words cp.async'ed into S slots of shared memory private to each lane (S - 1 groups in
   flight, no registers held for them, no barrier: a lane reads back only what it copied); ncu showed the
   kernel's warps waiting on memory (long scoreboard) with DRAM under half busy
-  (``int4_mma_sync_ncu.csv``), and holding two groups ahead in registers cost occupancy.
+  (``int4_mma_sync_ncu.csv``), and holding two groups ahead in registers cost occupancy;
+- ``PIN=fence``: the iteration's loads (next words, x, scales, zeros; coherent loads, since ptxas moves .nc
+  ones across the fence) issued before a ``membar.cta`` / ``fence.acq_rel.cta``: ptxas otherwise sinks the
+  next group's words and this group's scales to the end of the iteration (the SASS of the plain kernel;
+  ``int4_mma_sync_stall_lines.csv`` has ncu's stall samples per instruction).
 Timed warm (one weight again and again) and cold (cycling through copies, > 120 MB, so every call reads
 DRAM), ``do_bench_cudagraph`` medians, every config checked against the float64 reference and against
 the plain config bit for bit (same arithmetic; CHAINS changes the order of the fp32 sums).

@@ -50,7 +50,6 @@ from fusekern.patterns.decode.layout import PackedLayout
 
 M_MAX = 8  # x's rows are the MMA's 8 columns
 WARP_COLUMNS = 16  # the MMA's 16 rows: columns of W per warp and column group
-RING_MAX_BYTES = 48 * 1024  # a static shared array's limit
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -62,13 +61,6 @@ class Int4MmaSync:
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
     # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
     PREFETCH: int = 1
-    # STAGES >= 2: the words come through a ring of STAGES shared-memory slots private to each lane
-    # (cp.async, STAGES - 1 groups in flight without holding registers; 16-byte word rows only); 0: registers
-    STAGES: int = 0
-    CHAINS: int = 1  # independent MMA accumulator chains per group (2: two chains of 4, summed)
-    # a fence after the next group's word loads ("membar.cta" or "fence.acq_rel.cta"; the word loads then go
-    # coherent, .nc ones move past it): ptxas otherwise sinks those loads to the end of the iteration
-    PIN: str = ""
 
     @property
     def BLOCK_N(self) -> int:
@@ -94,21 +86,12 @@ def _thread_index(like, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr = False,
-           COHERENT: tl.constexpr = False):
+def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr = False):
     """Four int32 at ptr, ptr + STRIDE, ... (one 16-byte load where VEC: STRIDE 1, 16-byte aligned). WORDS: the
     codes, read once, skip L1 (.L1::no_allocate; the 16-byte loads only, GPTQ's words go through tl.load) so
     that x and the scales, read again, stay there: 2-6% faster with the weights coming from DRAM
     (benchmarks/results/h200/int4_mma_sync_l1_probe.csv)."""
-    if ASM and VEC and COHERENT and not WORDS:
-        return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                         is_pure=False, pack=1)
-    elif ASM and VEC and WORDS and COHERENT:
-        return tl.inline_asm_elementwise("ld.global.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                         is_pure=False, pack=1)
-    elif ASM and VEC and WORDS:
+    if ASM and VEC and WORDS:
         return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
                                          "=r,=r,=r,=r,l", [ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
                                          is_pure=True, pack=1)
@@ -117,44 +100,6 @@ def _load4(ptr, VEC: tl.constexpr, STRIDE: tl.constexpr, ASM: tl.constexpr, WORD
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         return tl.load(ptr), tl.load(ptr + STRIDE), tl.load(ptr + 2 * STRIDE), tl.load(ptr + 3 * STRIDE)
-
-
-def ring_asm(cfg, threads: int) -> dict:
-    """The ring's PTX, fixed per config: its declaration (a static shared array, one per kernel, whose
-    address the asm returns) and the wait that leaves STAGES - 1 groups in flight."""
-    if not cfg.STAGES:
-        return dict(RING_DECL="", RING_WAIT="")
-    nbytes = cfg.STAGES * 2 * cfg.GROUPS_PER_WARP * threads * 16
-    return dict(RING_DECL=f"{{ .shared .align 16 .b8 fk_ring[{nbytes}]; mov.u32 $0, fk_ring; }}",
-                RING_WAIT=f"cp.async.wait_group {cfg.STAGES - 1}; ")
-
-
-@triton.jit
-def _ring_issue(dst, p0, p1, p2, p3, GPW: tl.constexpr, CHUNK: tl.constexpr):
-    """cp.async (L2 only) of a lane's 16-byte word rows, columns g and g + 8 (p0, p1; with GPW 2 also
-    g + 16 and g + 24: p2, p3), into its slot at shared address dst (chunks CHUNK bytes apart), committed
-    as one group. Returns a token that orders the group's wait after it."""
-    if GPW == 1:
-        return tl.inline_asm_elementwise(
-            "cp.async.cg.shared.global [$1], [$2], 16; cp.async.cg.shared.global [$3], [$4], 16; "
-            "cp.async.commit_group; mov.u32 $0, 0;",
-            "=r,r,l,r,l", [dst, p0, dst + CHUNK, p1], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.inline_asm_elementwise(
-            "cp.async.cg.shared.global [$1], [$2], 16; cp.async.cg.shared.global [$3], [$4], 16; "
-            "cp.async.cg.shared.global [$5], [$6], 16; cp.async.cg.shared.global [$7], [$8], 16; "
-            "cp.async.commit_group; mov.u32 $0, 0;",
-            "=r,r,l,r,l,r,l,r,l", [dst, p0, dst + CHUNK, p1, dst + 2 * CHUNK, p2, dst + 3 * CHUNK, p3],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _ring_read(src, token, WAIT: tl.constexpr):
-    """Wait until at most STAGES - 1 groups are in flight (the oldest has landed), then the lane's four
-    words at shared address src."""
-    return tl.inline_asm_elementwise(WAIT + "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,r",
-                                     [src, token], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False,
-                                     pack=1)
 
 
 @triton.jit
@@ -231,13 +176,10 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM: tl.constexpr, CHAINS: tl.constexpr = 1):
-    """A 128-k group's ``sum (128 + q) x`` for this lane's rows g (words w) and g + 8 (words v), D layout.
-    CHAINS 2: the second MMA of each word pair goes to its own accumulators (two chains of 4 dependent MMAs
-    instead of one of 8), added at the end."""
+def _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM: tl.constexpr):
+    """A 128-k group's ``sum (128 + q) x`` for this lane's rows g (words w) and g + 8 (words v), D layout."""
     z = tl.zeros(w0.shape, tl.float32)
     d0, d1, d2, d3 = z, z, z, z
-    e0, e1, e2, e3 = z, z, z, z
     for i in tl.static_range(4):
         if i == 0:
             wa, wb = w0, v0
@@ -251,12 +193,7 @@ def _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM: tl.constexpr, CHAINS
         b0, b1, b2, b3 = _nibble_pairs(wb, ASM)
         x04, x15, x26, x37 = xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3]
         d0, d1, d2, d3 = _mma(a0, b0, a1, b1, x04, x15, d0, d1, d2, d3, ASM)
-        if CHAINS == 2:
-            e0, e1, e2, e3 = _mma(a2, b2, a3, b3, x26, x37, e0, e1, e2, e3, ASM)
-        else:
-            d0, d1, d2, d3 = _mma(a2, b2, a3, b3, x26, x37, d0, d1, d2, d3, ASM)
-    if CHAINS == 2:
-        return d0 + e0, d1 + e1, d2 + e2, d3 + e3
+        d0, d1, d2, d3 = _mma(a2, b2, a3, b3, x26, x37, d0, d1, d2, d3, ASM)
     return d0, d1, d2, d3
 
 
@@ -273,19 +210,13 @@ def _x_pairs(xq, ASM: tl.constexpr):
 
 
 @triton.jit
-def _sum_x(xs, ASM: tl.constexpr, CHAINS: tl.constexpr = 1):
-    """``sum x`` over the group per x row, in the D layout (an MMA with A all ones; CHAINS 2: two chains)."""
+def _sum_x(xs, ASM: tl.constexpr):
+    """``sum x`` over the group per x row, in the D layout (an MMA with A all ones)."""
     one = tl.full(xs[0].shape, 0x3F803F80, tl.int32)
     z = tl.zeros(xs[0].shape, tl.float32)
     s0, s1, s2, s3 = z, z, z, z
-    r0, r1, r2, r3 = z, z, z, z
     for j in tl.static_range(8):
-        if CHAINS == 2 and j % 2 == 1:
-            r0, r1, r2, r3 = _mma(one, one, one, one, xs[2 * j], xs[2 * j + 1], r0, r1, r2, r3, ASM)
-        else:
-            s0, s1, s2, s3 = _mma(one, one, one, one, xs[2 * j], xs[2 * j + 1], s0, s1, s2, s3, ASM)
-    if CHAINS == 2:
-        return s0 + r0, s1 + r1
+        s0, s1, s2, s3 = _mma(one, one, one, one, xs[2 * j], xs[2 * j + 1], s0, s1, s2, s3, ASM)
     return s0, s1
 
 
@@ -315,13 +246,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
-                         CHAINS: tl.constexpr = 1, RING_DECL: tl.constexpr = "", RING_WAIT: tl.constexpr = "",
-                         PIN_ASM: tl.constexpr = ""):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, STAGES, CHAINS, RING_DECL, RING_WAIT, PIN_ASM)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -338,9 +267,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
-                               CHAINS: tl.constexpr = 1, RING_DECL: tl.constexpr = "",
-                               RING_WAIT: tl.constexpr = "", PIN_ASM: tl.constexpr = ""):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -352,8 +279,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH,
-                 STAGES, CHAINS, RING_DECL, RING_WAIT, PIN_ASM)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -361,9 +287,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                 CHAINS: tl.constexpr, RING_DECL: tl.constexpr, RING_WAIT: tl.constexpr,
-                 PIN_ASM: tl.constexpr):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
@@ -392,79 +316,55 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     wp0 = q_ptr + ln0.to(tl.int64) * SQN + (c * 4) * SQK
     wp1 = q_ptr + ln1.to(tl.int64) * SQN + (c * 4) * SQK
     GW: tl.constexpr = 16 * SQK  # a group's words
+    nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
+    nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
     LAST = t0 + PER - 1
+    if PREFETCH == 2:
+        mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
+        mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
     if GROUPS_PER_WARP == 2:
         wp2 = q_ptr + ln2.to(tl.int64) * SQN + (c * 4) * SQK
         wp3 = q_ptr + ln3.to(tl.int64) * SQN + (c * 4) * SQK
-    else:
-        wp2, wp3 = wp0, wp1
-    RING: tl.constexpr = STAGES > 0 and ASM and VEC
-    CHUNK: tl.constexpr = THREADS * 16  # a ring slot's chunks (one 16-byte row per lane) are CHUNK bytes apart
-    SLOT: tl.constexpr = 2 * GROUPS_PER_WARP * CHUNK
-    if RING:  # the first STAGES - 1 groups of words in flight into this lane's slots
-        lane_slot = tl.inline_asm_elementwise(RING_DECL, "=r,r", [tid], dtype=tl.int32, is_pure=True,
-                                              pack=1) + tid * 16
-        for s in tl.static_range(STAGES - 1):
-            ts = tl.minimum(t0 + s, LAST)
-            _ring_issue(lane_slot + s * SLOT, wp0 + ts * GW, wp1 + ts * GW, wp2 + ts * GW, wp3 + ts * GW,
-                        GROUPS_PER_WARP, CHUNK)
-    else:
-        nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
-        nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
-        if PREFETCH == 2:
-            mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
-            mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
-        if GROUPS_PER_WARP == 2:
-            nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
-            ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
+        nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
+        ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
     zero = tl.zeros((THREADS,), tl.float32)
     acc0, acc1, acc2, acc3 = zero, zero, zero, zero
     acc4, acc5, acc6, acc7 = zero, zero, zero, zero
+    # (ptxas sinks the next group's word loads and this group's scale loads to the end of the iteration, next
+    # to their first use, so the words are waited for in the iteration that issues them: about a third of
+    # the warps' stall samples fall on the scale's first use, ncu, int4_mma_sync_stall_lines.csv. Pinning
+    # the loads at the top with a fence, words through a cp.async ring in shared memory, and two MMA
+    # chains per group were all slower cold on the H200: int4_mma_sync_fence_probe.csv, _ring_probe.csv.)
     for t in range(t0, t0 + PER):
-        if RING:  # group t + STAGES - 1 into the slot group t - 1 was read from, then group t out of its own
-            tn = tl.minimum(t + (STAGES - 1), LAST)  # (past the slice: the last group again, never read)
-            token = _ring_issue(lane_slot + ((t - t0 + (STAGES - 1)) % STAGES) * SLOT, wp0 + tn * GW,
-                                wp1 + tn * GW, wp2 + tn * GW, wp3 + tn * GW, GROUPS_PER_WARP, CHUNK)
-            here = lane_slot + ((t - t0) % STAGES) * SLOT
-            w0, w1, w2, w3 = _ring_read(here, token, RING_WAIT)
-            v0, v1, v2, v3 = _ring_read(here + CHUNK, token, "")
-            if GROUPS_PER_WARP == 2:
-                u0, u1, u2, u3 = _ring_read(here + 2 * CHUNK, token, "")
-                y0, y1, y2, y3 = _ring_read(here + 3 * CHUNK, token, "")
+        w0, w1, w2, w3 = nw0, nw1, nw2, nw3
+        v0, v1, v2, v3 = nv0, nv1, nv2, nv3
+        tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
+        if PREFETCH == 2:
+            nw0, nw1, nw2, nw3 = mw0, mw1, mw2, mw3
+            nv0, nv1, nv2, nv3 = mv0, mv1, mv2, mv3
+            mw0, mw1, mw2, mw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
+            mv0, mv1, mv2, mv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
         else:
-            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-            v0, v1, v2, v3 = nv0, nv1, nv2, nv3
-            tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
-            if PREFETCH == 2:
-                nw0, nw1, nw2, nw3 = mw0, mw1, mw2, mw3
-                nv0, nv1, nv2, nv3 = mv0, mv1, mv2, mv3
-                mw0, mw1, mw2, mw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
-                mv0, mv1, mv2, mv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
-            else:
-                nw0, nw1, nw2, nw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True, PIN_ASM != "")
-                nv0, nv1, nv2, nv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True, PIN_ASM != "")
-            if GROUPS_PER_WARP == 2:
-                u0, u1, u2, u3 = nu0, nu1, nu2, nu3
-                y0, y1, y2, y3 = ny0, ny1, ny2, ny3
-                nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True, PIN_ASM != "")
-                ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True, PIN_ASM != "")
-        PINNED: tl.constexpr = PIN_ASM != "" and ASM
-        xa = _load4(xq_ptr + t * 64, True, 1, ASM, False, PINNED)
-        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM, False, PINNED)
-        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM, False, PINNED)
-        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM, False, PINNED)
+            nw0, nw1, nw2, nw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
+            nv0, nv1, nv2, nv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
+        if GROUPS_PER_WARP == 2:
+            u0, u1, u2, u3 = nu0, nu1, nu2, nu3
+            y0, y1, y2, y3 = ny0, ny1, ny2, ny3
+            nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
+            ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True)
+        xa = _load4(xq_ptr + t * 64, True, 1, ASM)
+        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
+        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
+        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
+        xs = _x_pairs(xa + xb + xc + xd, ASM)
         sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
+        sx0, sx1 = _sum_x(xs, ASM)
+        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
+                                         _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1, sz01)
         if GROUPS_PER_WARP == 2:
             sz23 = _scale_zero(s_ptr, z_ptr, t, ln2, ln3, ZMODE, C, SZK, SZN, SSK, SSN)
-        if PINNED:  # every load of the iteration is issued before the fence, none is sunk below it
-            tl.inline_asm_elementwise(PIN_ASM, "=r,r", [tid], dtype=tl.int32, is_pure=False, pack=1)
-        xs = _x_pairs(xa + xb + xc + xd, ASM)
-        sx0, sx1 = _sum_x(xs, ASM, CHAINS)
-        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
-                                         _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM, CHAINS), sx0, sx1, sz01)
-        if GROUPS_PER_WARP == 2:
             acc4, acc5, acc6, acc7 = _folded(acc4, acc5, acc6, acc7,
-                                             _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM, CHAINS), sx0, sx1,
+                                             _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM), sx0, sx1,
                                              sz23)
     # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1 (and n2, n3)
     m0 = 2 * c
@@ -545,10 +445,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
     check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
-            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2) or cfg.CHAINS not in (1, 2) \
-            or cfg.STAGES not in (0, *range(2, 9)) or (cfg.STAGES and cfg.PREFETCH != 1) \
-            or cfg.PIN not in ("", "membar.cta", "fence.acq_rel.cta") \
-            or cfg.STAGES * 2 * cfg.GROUPS_PER_WARP * cfg.num_warps * 32 * 16 > RING_MAX_BYTES:
+            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         check_k_leaves("int4_mma_sync", leaves, lay, K, N)
@@ -589,9 +486,7 @@ def _rows(x: torch.Tensor, record: bool):
 def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, STAGES=cfg.STAGES if vec else 0,
-                CHAINS=cfg.CHAINS, **ring_asm(cfg, 32 * cfg.num_warps),
-                PIN_ASM=f"{cfg.PIN}; mov.u32 $0, $1;" if cfg.PIN and vec and not cfg.STAGES else "")
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
