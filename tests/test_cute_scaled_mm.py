@@ -216,6 +216,30 @@ def test_supports_never_raises_on_fake_and_meta_tensors():
 # --------------------------------------------------------------------------------------------------
 
 
+def test_kernel_choice_thresholds_and_measured_band(monkeypatch):
+    """Large FP8 products take CuTe, small ones Triton, with no timing; in between (CUDA only) the first
+    product of a shape is timed once and the answer kept per shape, block scaling and device."""
+    from fusekern.kernels import cute_dispatch as cd
+
+    monkeypatch.setattr(cd, "_CHOSEN", {})
+    calls = []
+
+    def timer(*key):
+        calls.append(key)
+        return key[0] == 2048  # "CuTe faster" at M = 2048 only
+
+    fp8, cuda, cpu = torch.float8_e4m3fn, torch.device("cuda", 0), torch.device("cpu")
+    assert cd.choice(8192, 8192, 8192, fp8, False, cuda, timer) and not cd.choice(16, 8192, 8192, fp8, False, cuda, timer)
+    assert cd.choice(256, 8192, 8192, torch.bfloat16, False, cuda, timer)  # 16-bit operands: from M = 128
+    assert not cd.choice(2048, 8192, 8192, fp8, False, cpu, timer) and not calls  # CPU: never timed
+    assert cd.choice(2048, 8192, 8192, fp8, False, cuda, timer) and cd.choice(2048, 8192, 8192, fp8, False, cuda, timer)
+    assert not cd.choice(1024, 8192, 8192, fp8, False, cuda, timer)
+    assert cd.choice(2048, 8192, 8192, fp8, True, cuda, timer)  # block scaling is its own key
+    assert len(calls) == 3  # each key timed once
+    a = torch.empty(2048, 64, device="meta", dtype=fp8)
+    assert not cd.prefers_cute(a, torch.empty(64, 64, device="meta", dtype=torch.bfloat16))  # mixed dtypes
+
+
 def test_reference_matches_a_plain_float64_computation():
     torch.manual_seed(0)
     m, n, k = 5, 12, 48

@@ -32,15 +32,76 @@ def _module():
 # M = 8192; bf16 + column scale + bias at M = 2048: 450 / 406 us. The CuTe kernel has no split-K or
 # swapped small-M tile yet, so it only takes the large products.
 CUTE_MIN_M = {1: 4096, 2: 128}  # by operand bytes
+# Between these and CUTE_MIN_M neither kernel wins every run: at FP8 M = 2048 the CuTe kernel was faster
+# in three runs of four (README, scale folding), by up to 15%. There the first product of a shape times
+# both kernels on random operands of its shape and keeps the faster, per shape, block scaling and device.
+MEASURE_MIN_M = {1: 1024}
+_CHOSEN: dict[tuple, bool] = {}
 
 
-def prefers_cute(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape[0] >= CUTE_MIN_M.get(a.element_size(), 1 << 62)
+def prefers_cute(a: torch.Tensor, b: torch.Tensor, block: bool = False) -> bool:
+    """Whether the CuTe kernel should take ``a @ b.T`` (block: 128 x 128 block scales). Real or fake
+    operands: only their shapes, dtypes and device are read."""
+    if a.dtype != b.dtype:
+        return False
+    return choice(int(a.shape[0]), int(b.shape[0]), int(a.shape[1]), a.dtype, block, a.device)
+
+
+def choice(M: int, N: int, K: int, dtype: torch.dtype, block: bool, device: torch.device, timer=None) -> bool:
+    """The threshold outside the measured band; inside it (CUDA only) the cached measurement, taken on the
+    first call (``timer(M, N, K, dtype, block, device)`` -> whether CuTe is faster; ``_cute_is_faster`` by
+    default). While a CUDA graph is being captured nothing can be timed: the threshold answers then."""
+    size = dtype.itemsize
+    if M >= CUTE_MIN_M.get(size, 1 << 62):
+        return True
+    if M < MEASURE_MIN_M.get(size, 1 << 62) or device.type != "cuda":
+        return False
+    key = (M, N, K, dtype, block, device.index)
+    if key not in _CHOSEN:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        _CHOSEN[key] = bool((timer or _cute_is_faster)(M, N, K, dtype, block, device))
+        log.info("fusekern: scaled_mm %dx%dx%d %s%s: %s kernel (measured)", M, N, K, dtype,
+                 " block-scaled" if block else "", "CuTe" if _CHOSEN[key] else "Triton")
+    return _CHOSEN[key]
+
+
+def _cute_is_faster(M: int, N: int, K: int, dtype: torch.dtype, block: bool, device: torch.device) -> bool:
+    """Time both kernels (median of ``triton.testing.do_bench``) on random operands of this shape, with row
+    and column scales (or 128 x 128 block scales) and a bf16 output: the mainloop decides, not the epilogue."""
+    import triton
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from fusekern.kernels.scaled_mm import scaled_mm_triton
+
+    mod = _module()
+    if mod is None:
+        return False
+    with unset_fake_temporarily(), torch.no_grad():  # (the compiler's pass may run under a fake mode)
+        a = torch.randn(M, K, device=device).to(dtype)
+        b = torch.randn(N, K, device=device).to(dtype)
+        row = col = a_block = b_block = None
+        group_n = group_k = 0
+        if block:
+            a_block = torch.rand(M, K // 128, device=device) + 0.5
+            b_block = torch.rand(N // 128, K // 128, device=device) + 0.5
+            group_n = group_k = 128
+        else:
+            row = torch.rand(M, device=device) + 0.5
+            col = torch.rand(N, device=device) + 0.5
+        args = (a, b, row, col, None, None, a_block, b_block, group_n, group_k, torch.bfloat16)
+        if mod.supports(a, b, row=row, col=col, bias=None, residual=None, out_dtype=torch.bfloat16,
+                        a_block=a_block, b_block=b_block) is not None:
+            return False
+        cute = triton.testing.do_bench(lambda: mod.run_supported(a, b, row, col, None, None, torch.bfloat16,
+                                                                 a_block, b_block), return_mode="median")
+        plain = triton.testing.do_bench(lambda: scaled_mm_triton(*args), return_mode="median")
+    return cute < plain
 
 
 def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
     """The CuTe kernel's result, or None when it does not apply (the caller then uses Triton)."""
-    if not prefers_cute(a, b):
+    if not prefers_cute(a, b, a_block is not None):
         return None
     mod = _module()
     if mod is None:
