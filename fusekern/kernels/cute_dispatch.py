@@ -44,7 +44,10 @@ def prefers_cute(a: torch.Tensor, b: torch.Tensor, block: bool = False) -> bool:
     operands: only their shapes, dtypes and device are read."""
     if a.dtype != b.dtype:
         return False
-    return choice(int(a.shape[0]), int(b.shape[0]), int(a.shape[1]), a.dtype, block, a.device)
+    M, N, K = a.shape[0], b.shape[0], a.shape[1]
+    if not all(isinstance(d, int) for d in (M, N, K)):  # symbolic sizes: the threshold, without a guard
+        return isinstance(M, int) and M >= CUTE_MIN_M.get(a.element_size(), 1 << 62)
+    return choice(M, N, K, a.dtype, block, a.device)
 
 
 def choice(M: int, N: int, K: int, dtype: torch.dtype, block: bool, device: torch.device, timer=None) -> bool:
