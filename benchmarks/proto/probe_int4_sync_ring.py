@@ -70,11 +70,26 @@ def variants(base: list, N: int, K: int, sms: int) -> list:
     return list(dict.fromkeys(out))
 
 
+def unroll_variants(base: list, N: int, K: int, sms: int) -> list:
+    """The K slice's loop unrolled whole (``UNROLL``), uncapped and capped at 64 registers (8 programs of 4
+    warps per SM), for the dispatcher's one-column-group configs; two column groups capped at 128."""
+    out = list(base)
+    for c in base:
+        if (K // 128) // c.SPLIT_K > 16:
+            continue
+        if c.GROUPS_PER_WARP == 1:
+            out += [dataclasses.replace(c, UNROLL=True), dataclasses.replace(c, UNROLL=True, maxnreg=64)]
+        else:
+            out += [dataclasses.replace(c, UNROLL=True, maxnreg=128)]
+    return list(dict.fromkeys(out))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,4096x4096")
     ap.add_argument("--ring", action="store_true", help="also the ring and chain variants")
+    ap.add_argument("--unroll", action="store_true", help="the unrolled variants only (kernel fields at the commit that adds this option)")
     args = ap.parse_args()
     global RING
     RING = args.ring
@@ -109,12 +124,13 @@ def main():
             median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
         base = [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, ims.Int4MmaSync)]
         plain = {}
-        for cfg in variants(base, N, K, sms):
+        for cfg in (unroll_variants if args.unroll else variants)(base, N, K, sms):
             try:
                 got = pm.packed_mm(x, leaves, lay, K, N, cfg)
                 err = f"{((got.float() - ref).norm() / ref.norm()).item():.2e}"
-                key = dataclasses.replace(cfg, STAGES=0, PIN="")
-                if cfg.STAGES == 0 and not cfg.PIN:
+                key = dataclasses.replace(cfg, UNROLL=False, maxnreg=None) if args.unroll else \
+                    dataclasses.replace(cfg, STAGES=0, PIN="")
+                if key == cfg:
                     plain[key] = got
                 elif key in plain and not torch.equal(got, plain[key]):
                     err += " DIFFERS FROM PLAIN"
