@@ -5,7 +5,8 @@ of the kernel at git e20b9e2 only, where this runs)
     python benchmarks/proto/probe_int4_sync_ring.py [--csv OUT.csv] [--shapes 8192x8192,...] [--ring]
 
 Results: ``int4_mma_sync_ring_probe.csv`` (``--ring``, before ``PIN`` existed) and
-``int4_mma_sync_fence_probe.csv`` (the default run). None was faster cold than the plain kernel.
+``int4_mma_sync_fence_probe.csv`` (the default run). None was faster cold than the plain kernel. ``--unroll``
+(the loop unrolled whole, ``UNROLL`` / ``maxnreg`` fields at git b29199a only): ``int4_mma_sync_unroll_probe.csv``.
 
 int4 two codes per byte (the demo's W4A16, 8-bit zeros), M = 1. Per shape: a streaming read of the same code
 bytes (the practical floor, ``probe_int4_m1.stream_read_kernel``), then ``int4_mma_sync`` in the configs the
@@ -89,7 +90,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,4096x4096")
     ap.add_argument("--ring", action="store_true", help="also the ring and chain variants")
-    ap.add_argument("--unroll", action="store_true", help="the unrolled variants only (kernel fields at the commit that adds this option)")
+    ap.add_argument("--unroll", action="store_true", help="the unrolled variants only (fields at git b29199a)")
     args = ap.parse_args()
     global RING
     RING = args.ring

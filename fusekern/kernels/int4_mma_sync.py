@@ -61,8 +61,6 @@ class Int4MmaSync:
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
     # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
     PREFETCH: int = 1
-    UNROLL: bool = False  # the K slice's loop unrolled whole (its groups' loads can then be issued early)
-    maxnreg: int | None = None  # a register cap per thread (Triton's launch option)
 
     @property
     def BLOCK_N(self) -> int:
@@ -248,11 +246,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, UNROLL: tl.constexpr = False):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -269,7 +267,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, UNROLL: tl.constexpr = False):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -281,7 +279,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -289,7 +287,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr = False):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
@@ -336,8 +334,9 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     # to their first use, so the words are waited for in the iteration that issues them: about a third of
     # the warps' stall samples fall on the scale's first use, ncu, int4_mma_sync_stall_lines.csv. Pinning
     # the loads at the top with a fence, words through a cp.async ring in shared memory, and two MMA
-    # chains per group were all slower cold on the H200: int4_mma_sync_fence_probe.csv, _ring_probe.csv.)
-    for t in tl.range(t0, t0 + PER, loop_unroll_factor=PER if UNROLL else 1):  # (UNROLL: the whole slice)
+    # chains per group, and the loop unrolled whole (loads then issued a group early, but 64 registers
+    # spill) were all slower cold on the H200: int4_mma_sync_fence_probe.csv, _ring_probe.csv, _unroll_probe.csv.)
+    for t in range(t0, t0 + PER):
         w0, w1, w2, w3 = nw0, nw1, nw2, nw3
         v0, v1, v2, v3 = nv0, nv1, nv2, nv3
         tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
@@ -471,7 +470,7 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     launch = replay.launch(int4_mma_sync_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M), dict(
         **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0),
-        num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})), rec)
+        num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
@@ -488,7 +487,7 @@ def _rows(x: torch.Tensor, record: bool):
 def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, UNROLL=cfg.UNROLL)
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
@@ -527,8 +526,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
-        rec)
+        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
