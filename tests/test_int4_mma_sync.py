@@ -33,10 +33,8 @@ S = ims.Int4MmaSync
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("K,N,cfg", [(256, 136, S(SPLIT_K=2)), (384, 72, S(SPLIT_K=3, GROUPS_PER_WARP=2)),
-                                     (512, 64, S(SPLIT_K=2, PREFETCH=2)), (256, 200, S(SPLIT_K=1)),
-                                     (768, 40, S(SPLIT_K=3, STRIDED_K=True)),
-                                     (1024, 72, S(SPLIT_K=2, GROUPS_PER_WARP=2, PREFETCH=1, STRIDED_K=True))],
-                         ids=["tail", "two_groups", "prefetch2", "no_split", "strided_k", "strided_k_two_groups"])
+                                     (512, 64, S(SPLIT_K=2, PREFETCH=2)), (256, 200, S(SPLIT_K=1))],
+                         ids=["tail", "two_groups", "prefetch2", "no_split"])
 def test_matches_reference(K, N, cfg, M, fmt):
     _, lay, leaves, x = setup(K, N, M, seed=K + N + M, fmt=fmt)
     assert ims.fits(lay, M, K, torch.bfloat16)

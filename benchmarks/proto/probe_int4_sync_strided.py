@@ -1,22 +1,28 @@
-"""Is int4_mma_sync held back by the order it reads the weight in, or by its scale loads? (probe, H200)
+"""Is int4_mma_sync held back by the order it reads the weight in, its scale loads, or what? (probe, H200; the
+kernel variants are config fields at git 1a1fc12 only, where this runs)
 
     python benchmarks/proto/probe_int4_sync_strided.py [--csv OUT.csv] [--shapes 8192x8192,...] [--pattern]
-                                                       [--strided]
+                                                       [--strided] [--stage] [--nap] [--drop] [--late]
 
-The kernel is ~1.5 us from its time warm (weights partly in L2) to its time cold (every call from DRAM), and
-2x the floor either way. Each program reads 64 bytes (one group of 128 codes) of each of its 64 weight rows
-per iteration, its K slice contiguous; the split programs of a column tile then read pieces 512 bytes apart in
-the same rows at the same time. Two questions, timed warm and cold (cycling through copies of the weight,
-> 120 MB) with ``do_bench_cudagraph`` medians, int4 two codes per byte (the demo's W4A16), M = 1:
-- ``pattern_read``: the kernel's grid and loads (the same 16-byte ``ld.global.nc.L1::no_allocate`` per lane and
-  group) with no arithmetic but an XOR: contiguous slices or interleaved groups (``strided``), the loads
-  one group at a time or all of a slice at once (``ahead``). Against a plain streaming read of the same bytes.
-- ``Int4MmaSync(STRIDED_K=True)``: the kernel with the split programs taking every SPLIT_K-th group, for the
-  configs the dispatcher offers; checked against the float64 reference.
-- ``Int4MmaSync(STAGE_SZ=True)`` (the default run): the program's scales and zeros copied into shared memory
-  before the loop (one barrier) and read from there; ncu put 29% of the plain kernel's stall samples on a
-  group's first use of its scale, loaded from global memory in the same iteration. Bit for bit the plain
-  kernel's result (checked).
+int4 two codes per byte (the demo's W4A16), M = 1, timed warm (one weight again and again) and cold (cycling
+through copies of the weight, > 120 MB) with ``do_bench_cudagraph`` medians; every kernel config checked
+against the float64 reference and, where its arithmetic is the plain kernel's, against it bit for bit. Per
+shape a plain streaming read of the code bytes, the dispatcher's ``int4_mma_sync`` configs and:
+- ``--pattern``: the kernel's grid and word loads (the same 16-byte ``ld.global.nc.L1::no_allocate`` per lane
+  and group) with no arithmetic but an XOR: contiguous K slices or interleaved groups (``strided``), one group
+  at a time or a slice at once (``ahead``); and the same loads through a per-lane cp.async ring of 2-6 slots.
+  Result files: ``int4_mma_sync_strided_probe.csv`` (with ``--strided``), ``int4_mma_sync_nap_probe.csv``.
+- ``--strided``: ``STRIDED_K``, the split programs of a column tile take every SPLIT_K-th group, so that they
+  read neighbouring 64-byte pieces of the same rows at once.
+- ``--stage``: ``STAGE_SZ``, the program's scales and zeros copied into shared memory before the loop (one
+  barrier) and read from there (ncu put 29% of the plain kernel's stall samples on a group's first use of
+  its scale). ``int4_mma_sync_stage_probe.csv``.
+- ``--nap``: ``NAP``, warps start 150 or 400 ns apart in 2 or 4 phases (are they in step: all waiting on
+  memory, then all computing?). ``int4_mma_sync_nap_probe.csv``.
+- ``--drop``: ``DROP``, wrong results by design, what each part costs: the words loaded once (1), no sum-x
+  MMAs (2), the scales and zeros loaded once (8), at a 64-register cap. ``int4_mma_sync_drop_probe.csv``.
+- ``--late``: ``LATE_FOLD``, a group's fold (scale, zero, sum x) done in the next iteration, off the group's
+  critical path. ``int4_mma_sync_late_fold_probe.csv``.
 """
 from __future__ import annotations
 

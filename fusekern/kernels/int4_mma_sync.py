@@ -61,21 +61,6 @@ class Int4MmaSync:
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
     # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
     PREFETCH: int = 1
-    # the split programs of a column tile take every SPLIT_K-th group (interleaved) instead of a contiguous K
-    # slice each: at any moment they read neighbouring 64-byte pieces of the same weight rows
-    STRIDED_K: bool = False
-    # the program's scales and zeros (fp32, PER groups x BLOCK_N columns) copied into shared memory before the
-    # loop, one barrier, and read from there (ptxas otherwise issues their global loads next to their use)
-    STAGE_SZ: bool = False
-    # warps start NAP ns apart in NAP_PHASES phases (nanosleep before the first loads): probe of whether the
-    # warps' loads and MMAs fall in step (all waiting for memory, then all computing)
-    NAP: int = 0
-    NAP_PHASES: int = 2
-    # probe only, wrong results: bit 1 keeps the first group's words for every group (no word loads in the
-    # loop), 2 drops the sum-x MMAs, 4 keeps the first group's x, 8 the first group's scales and zeros
-    DROP: int = 0
-    # probe: group t's fold (scale, zero, sum x) done in iteration t + 1, off the group's own critical path
-    LATE_FOLD: bool = False
 
     @property
     def BLOCK_N(self) -> int:
@@ -247,44 +232,6 @@ def _scale_zero(s_ptr, z_ptr, t, la, lb, ZMODE: tl.constexpr, C: tl.constexpr, S
 
 
 @triton.jit
-def _opaque4(a, b, c, d):
-    """a, b, c, d unchanged, through an asm the compiler cannot move out of a loop (DROP probes)."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7;",
-                                     "=r,=r,=r,=r,r,r,r,r", [a, b, c, d], dtype=(tl.int32,) * 4, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _stage_scale_zero(tid, pid_n, t0, s_ptr, z_ptr, N, ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr,
-                      SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr, PER: tl.constexpr,
-                      DT: tl.constexpr, BLOCK_N: tl.constexpr, THREADS: tl.constexpr, SZ_DECL: tl.constexpr):
-    """The program's scales and 128 + z + c as two fp32 tables [PER groups, BLOCK_N columns] in shared memory
-    (a static array declared by SZ_DECL), written by all threads, then a barrier; returns the tables' shared
-    address, which depends on the barrier (loads from it cannot move above it)."""
-    base = tl.inline_asm_elementwise(SZ_DECL, "=r,r", [tid], dtype=tl.int32, is_pure=True, pack=1)
-    TABLE: tl.constexpr = PER * BLOCK_N
-    for j in tl.static_range(TABLE // THREADS):
-        e = tid + j * THREADS
-        t = t0 + (e // BLOCK_N) * DT
-        ln = tl.minimum(pid_n * BLOCK_N + e % BLOCK_N, N - 1)
-        s = tl.load(s_ptr + t * SSK + ln * SSN).to(tl.float32)
-        z = (_zero_of(z_ptr, t, ln, ZMODE, SZK, SZN) + (128 + C)).to(tl.float32)
-        tl.inline_asm_elementwise("st.shared.f32 [$1], $3; st.shared.f32 [$2], $4; mov.u32 $0, 0;",
-                                  "=r,r,r,f,f", [base + 4 * e, base + 4 * (TABLE + e), s, z], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    return tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, $1;", "=r,r", [base], dtype=tl.int32, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _staged_scale_zero(base, e, TABLE: tl.constexpr):
-    """``_scale_zero``'s four values from the staged tables (entry e: this lane's column la; lb is e + 8)."""
-    return tl.inline_asm_elementwise(
-        "ld.shared.f32 $0, [$4]; ld.shared.f32 $1, [$4+32]; ld.shared.f32 $2, [$5]; ld.shared.f32 $3, [$5+32];",
-        "=f,=f,=f,=f,r,r", [base + 4 * e, base + 4 * (TABLE + e)], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-
-
-@triton.jit
 def _folded(a0, a1, a2, a3, d, sx0, sx1, sz):
     """The accumulators of columns la (a0, a1) and lb (a2, a3) plus ``s * (d - (128 + z + c) * sum x)``
     (d: the group's product in the D layout; sz: ``_scale_zero``'s)."""
@@ -299,14 +246,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, STRIDED_K: tl.constexpr = False,
-                         STAGE_SZ: tl.constexpr = False, SZ_DECL: tl.constexpr = "", NAP: tl.constexpr = 0,
-                         NAP_PHASES: tl.constexpr = 2, DROP: tl.constexpr = 0, LATE_FOLD: tl.constexpr = False):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, STRIDED_K, STAGE_SZ, SZ_DECL, NAP, NAP_PHASES,
-                 DROP, LATE_FOLD)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -323,11 +267,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1,
-                               STRIDED_K: tl.constexpr = False, STAGE_SZ: tl.constexpr = False,
-                               SZ_DECL: tl.constexpr = "", NAP: tl.constexpr = 0,
-                               NAP_PHASES: tl.constexpr = 2, DROP: tl.constexpr = 0,
-                               LATE_FOLD: tl.constexpr = False):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -339,8 +279,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH,
-                 STRIDED_K, STAGE_SZ, SZ_DECL, NAP, NAP_PHASES, DROP, LATE_FOLD)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -348,9 +287,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, STRIDED_K: tl.constexpr,
-                 STAGE_SZ: tl.constexpr, SZ_DECL: tl.constexpr, NAP: tl.constexpr, NAP_PHASES: tl.constexpr,
-                 DROP: tl.constexpr, LATE_FOLD: tl.constexpr):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
@@ -362,9 +299,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     c = tid % 4
     TILES: tl.constexpr = K // _GROUP
     PER: tl.constexpr = TILES // SPLIT_K  # SPLIT_K divides TILES (split_k_for)
-    # groups t0, t0 + DT, ... t0 + (PER - 1) * DT: a contiguous slice, or every SPLIT_K-th group (STRIDED_K)
-    t0 = pid_k if STRIDED_K else pid_k * PER
-    DT: tl.constexpr = SPLIT_K if STRIDED_K else 1
+    t0 = pid_k * PER
     # columns of rows g and g + 8 (column groups j: warp's 16 * GROUPS_PER_WARP columns)
     n0 = pid_n * BLOCK_N + warp * (16 * GROUPS_PER_WARP) + g
     n1 = n0 + 8
@@ -380,45 +315,36 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     # this lane's 4 words of a group: words 4c .. 4c + 3 of the group's 16 per column
     wp0 = q_ptr + ln0.to(tl.int64) * SQN + (c * 4) * SQK
     wp1 = q_ptr + ln1.to(tl.int64) * SQN + (c * 4) * SQK
-    if NAP > 0 and ASM:
-        nap = ((pid_n * (THREADS // 32) + warp) % NAP_PHASES) * NAP
-        slept = tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, $1;", "=r,r", [nap], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-        wp0 += slept - nap  # (0: orders the first loads after the sleep)
     GW: tl.constexpr = 16 * SQK  # a group's words
     nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
     nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
-    LAST = t0 + (PER - 1) * DT
+    LAST = t0 + PER - 1
     if PREFETCH == 2:
-        mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + DT, LAST) * GW, VEC, SQK, ASM, True)
-        mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + DT, LAST) * GW, VEC, SQK, ASM, True)
+        mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
+        mv0, mv1, mv2, mv3 = _load4(wp1 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
     if GROUPS_PER_WARP == 2:
         wp2 = q_ptr + ln2.to(tl.int64) * SQN + (c * 4) * SQK
         wp3 = q_ptr + ln3.to(tl.int64) * SQN + (c * 4) * SQK
         nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
         ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
-    STAGED: tl.constexpr = STAGE_SZ and ASM
-    if STAGED:
-        sz_base = _stage_scale_zero(tid, pid_n, t0, s_ptr, z_ptr, N, ZMODE, C, SZK, SZN, SSK, SSN, PER, DT,
-                                    BLOCK_N, THREADS, SZ_DECL)
-        la_local = warp * (16 * GROUPS_PER_WARP) + g  # this lane's columns within the program's tile
     zero = tl.zeros((THREADS,), tl.float32)
     acc0, acc1, acc2, acc3 = zero, zero, zero, zero
     acc4, acc5, acc6, acc7 = zero, zero, zero, zero
-    pd0, pd1, pd2, pd3, px0, px1, ps0, ps1, pz0, pz1 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero
     # (ptxas sinks the next group's word loads and this group's scale loads to the end of the iteration, next
     # to their first use, so the words are waited for in the iteration that issues them: about a third of
     # the warps' stall samples fall on the scale's first use, ncu, int4_mma_sync_stall_lines.csv. Pinning
     # the loads at the top with a fence, words through a cp.async ring in shared memory, and two MMA
     # chains per group, and the loop unrolled whole (loads then issued a group early, but 64 registers
-    # spill) were all slower cold on the H200: int4_mma_sync_fence_probe.csv, _ring_probe.csv, _unroll_probe.csv.)
-    for t in range(t0, t0 + PER * DT, DT):
+    # spill) were all slower cold on the H200: int4_mma_sync_fence_probe.csv, _ring_probe.csv, _unroll_probe.csv.
+    # The loads themselves are not the limit: this grid's word loads without the arithmetic run at a streaming
+    # read's speed, and so does the loop without its word loads, sum-x MMAs and scale loads; with any one of
+    # the three left in, it takes most of its time (int4_mma_sync_drop_probe.csv). Interleaved K slices,
+    # scales staged in shared memory, warps started out of step and the fold done an iteration late did not
+    # help: _strided_probe.csv, _stage_probe.csv, _nap_probe.csv, _late_fold_probe.csv.)
+    for t in range(t0, t0 + PER):
         w0, w1, w2, w3 = nw0, nw1, nw2, nw3
         v0, v1, v2, v3 = nv0, nv1, nv2, nv3
-        if (DROP & 1) != 0:  # (the same words each group: kept from being decoded once, outside the loop)
-            w0, w1, w2, w3 = _opaque4(w0, w1, w2, w3)
-            v0, v1, v2, v3 = _opaque4(v0, v1, v2, v3)
-        tn = tl.minimum(t + PREFETCH * DT, LAST) if (DROP & 1) == 0 else t0  # the words PREFETCH groups ahead (the last ones load it again)
+        tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
         if PREFETCH == 2:
             nw0, nw1, nw2, nw3 = mw0, mw1, mw2, mw3
             nv0, nv1, nv2, nv3 = mv0, mv1, mv2, mv3
@@ -432,45 +358,20 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
             y0, y1, y2, y3 = ny0, ny1, ny2, ny3
             nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
             ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True)
-        tx = t if (DROP & 4) == 0 else t0
-        xa = _load4(xq_ptr + tx * 64, True, 1, ASM)
-        xb = _load4(xq_ptr + tx * 64 + 4, True, 1, ASM)
-        xc = _load4(xq_ptr + tx * 64 + 8, True, 1, ASM)
-        xd = _load4(xq_ptr + tx * 64 + 12, True, 1, ASM)
-        if (DROP & 4) != 0:
-            xa = _opaque4(xa[0], xa[1], xa[2], xa[3])
-            xb = _opaque4(xb[0], xb[1], xb[2], xb[3])
-            xc = _opaque4(xc[0], xc[1], xc[2], xc[3])
-            xd = _opaque4(xd[0], xd[1], xd[2], xd[3])
+        xa = _load4(xq_ptr + t * 64, True, 1, ASM)
+        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
+        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
+        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
         xs = _x_pairs(xa + xb + xc + xd, ASM)
-        if STAGED:
-            sz01 = _staged_scale_zero(sz_base, (t - t0) // DT * BLOCK_N + la_local, PER * BLOCK_N)
-        else:
-            sz01 = _scale_zero(s_ptr, z_ptr, t if (DROP & 8) == 0 else t0, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
-        if (DROP & 2) == 0:
-            sx0, sx1 = _sum_x(xs, ASM)
-        else:
-            sx0, sx1 = zero, zero
-        if LATE_FOLD:
-            acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3, (pd0, pd1, pd2, pd3), px0, px1,
-                                             (ps0, ps1, pz0, pz1))
-            pd0, pd1, pd2, pd3 = _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM)
-            px0, px1 = sx0, sx1
-            ps0, ps1, pz0, pz1 = sz01
-        else:
-            acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
-                                             _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1,
-                                             sz01)
+        sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
+        sx0, sx1 = _sum_x(xs, ASM)
+        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
+                                         _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1, sz01)
         if GROUPS_PER_WARP == 2:
-            if STAGED:
-                sz23 = _staged_scale_zero(sz_base, (t - t0) // DT * BLOCK_N + la_local + 16, PER * BLOCK_N)
-            else:
-                sz23 = _scale_zero(s_ptr, z_ptr, t, ln2, ln3, ZMODE, C, SZK, SZN, SSK, SSN)
+            sz23 = _scale_zero(s_ptr, z_ptr, t, ln2, ln3, ZMODE, C, SZK, SZN, SSK, SSN)
             acc4, acc5, acc6, acc7 = _folded(acc4, acc5, acc6, acc7,
                                              _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM), sx0, sx1,
                                              sz23)
-    if LATE_FOLD:
-        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3, (pd0, pd1, pd2, pd3), px0, px1, (ps0, ps1, pz0, pz1))
     # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1 (and n2, n3)
     m0 = 2 * c
     m1 = m0 + 1
@@ -550,8 +451,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
     check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
-            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2) \
-            or (cfg.STAGE_SZ and _sz_bytes(cfg, K) > 32 * 1024):
+            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         check_k_leaves("int4_mma_sync", leaves, lay, K, N)
@@ -574,8 +474,8 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     consts = _constexprs(lay, K, N)
     launch = replay.launch(int4_mma_sync_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M), dict(
-        **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0, K),
-        num_warps=cfg.num_warps, **({"maxnreg": 64} if cfg.DROP else {})), rec)
+        **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0),
+        num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
     return out
@@ -589,23 +489,10 @@ def _rows(x: torch.Tensor, record: bool):
     return x.clone(memory_format=torch.contiguous_format), False
 
 
-def _sz_decl(cfg: Int4MmaSync, K: int) -> str:
-    """STAGE_SZ's shared array (two fp32 tables of K / 128 / SPLIT_K groups by BLOCK_N columns): its PTX."""
-    if not cfg.STAGE_SZ:
-        return ""
-    return f"{{ .shared .align 16 .b8 fk_sz[{_sz_bytes(cfg, K)}]; mov.u32 $0, fk_sz; }}"
-
-
-def _sz_bytes(cfg: Int4MmaSync, K: int) -> int:
-    return 2 * 4 * (K // GROUP // cfg.SPLIT_K) * cfg.BLOCK_N
-
-
-def _options(cfg: Int4MmaSync, vec: bool, K: int) -> dict:
+def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, STRIDED_K=cfg.STRIDED_K, STAGE_SZ=cfg.STAGE_SZ,
-                SZ_DECL=_sz_decl(cfg, K), NAP=cfg.NAP, NAP_PHASES=cfg.NAP_PHASES, DROP=cfg.DROP,
-                LATE_FOLD=cfg.LATE_FOLD)
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
@@ -644,7 +531,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], **_options(cfg, vec, K), num_warps=cfg.num_warps), rec)
+        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
@@ -670,7 +557,7 @@ def aot_builds():
                 args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                             ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
                 consts = _constexprs(lay, K, N)
-                ce = {**consts, "HAS_BIAS": False, **_options(cfg, consts["SQK"] == 1, K), "ASM": True}
+                ce = {**consts, "HAS_BIAS": False, **_options(cfg, consts["SQK"] == 1), "ASM": True}
                 builds.append(TritonBuild("int4_mma_sync", f"{name} GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
                                           f"PREFETCH={cfg.PREFETCH} "
                                           f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [{N}x{K}]",
@@ -686,7 +573,7 @@ def aot_builds():
         args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
                     cnt_ptr="*i32", **members)
         consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
-        ce = {**consts, **_options(cfg, True, K), "ASM": True}
+        ce = {**consts, **_options(cfg, True), "ASM": True}
         builds.append(TritonBuild("int4_mma_sync_group", f"int4_k_stack GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
                                   f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [1x({'+'.join(map(str, Ns))})x{K}]",
                                   int4_mma_sync_group_kernel, args, ce, cfg.num_warps, 1))
