@@ -1,9 +1,10 @@
-"""The README's result tables, generated from the committed CSVs (so the numbers cannot drift).
+"""The result tables of README.md and docs/results-h200.md, generated from the committed CSVs (so the numbers
+cannot drift).
 
-    python benchmarks/results_tables.py [--results benchmarks/results/h200] [--readme README.md] [--check]
+    python benchmarks/results_tables.py [--results benchmarks/results/h200] [--docs README.md ...] [--check]
 
-Each table sits in README.md between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; this
-rewrites what is between the markers from ``<results>/NAME.csv``. ``--check`` exits 1 if the README is not
+Each table sits in one of the documents between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; this
+rewrites what is between the markers from ``<results>/NAME.csv``. ``--check`` exits 1 if a document is not
 what the CSVs give (tests/test_readme.py runs the same check).
 """
 from __future__ import annotations
@@ -99,6 +100,19 @@ def decode_mm_shapes(rows: list[dict]) -> list[str]:
         out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
                    f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
                    f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
+    return out
+
+
+def decode_mm_autotune(rows: list[dict]) -> list[str]:
+    """Large M against stock max-autotune and the unquantized bf16 cuBLAS mm (``bench_decode_mm.py --autotune``)."""
+    out = ["| format | N x K | M | eager | stock compile + CUDA graph | max-autotune + CUDA graph | fusekern | "
+           "fusekern + CUDA graph | bf16 cuBLAS mm | × cuBLAS (fusekern, graph) |", "|---" * 10 + "|"]
+    for r in rows:
+        g, cb = float(r["fusekern_graph_us"]), float(r["cublas_bf16_call_us"])
+        out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['eager_call_us'])} | "
+                   f"{_num(r['stock_graph_us'])} | {_num(r['stock_autotune_graph_us'])} | "
+                   f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | "
+                   f"{_num(r['cublas_bf16_call_us'])} | {g / cb:.2f} |")
     return out
 
 
@@ -279,12 +293,16 @@ def int4_mma_n_vs_before(rows: list[dict]) -> list[str]:
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_attention": decode_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
+          "decode_mm_lm_head": decode_mm_shapes, "decode_mm_lm_head_2048": decode_mm_autotune,
           "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma,
           "int4_mma_n_sweep": int4_mma_n_sweep, "int4_mma_n_sweep_c8a9946": int4_mma_n_vs_before}
 
 
 def render(name: str, results: str) -> list[str]:
     return TABLES[name](_rows(os.path.join(results, f"{name}.csv")))
+
+
+DOCS = (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "results-h200.md"))
 
 
 def updated_readme(text: str, results: str) -> str:
@@ -299,19 +317,25 @@ def updated_readme(text: str, results: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(HERE, "results", "h200"))
-    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--docs", nargs="+", default=list(DOCS), help="the documents whose tables to refresh")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    with open(args.readme) as f:
-        text = f.read()
-    new = updated_readme(text, args.results)
-    if args.check:
-        if new != text:
-            print("README.md result tables differ from the CSVs: run benchmarks/results_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    with open(args.readme, "w") as f:
-        f.write(new)
+    stale = []
+    for path in args.docs:
+        with open(path) as f:
+            text = f.read()
+        new = updated_readme(text, args.results)
+        if new == text:
+            continue
+        if args.check:
+            stale.append(os.path.relpath(path, ROOT))
+        else:
+            with open(path, "w") as f:
+                f.write(new)
+    if stale:
+        print(f"result tables differ from the CSVs in {', '.join(stale)}: run benchmarks/results_tables.py",
+              file=sys.stderr)
+        return 1
     return 0
 
 

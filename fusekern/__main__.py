@@ -57,7 +57,8 @@ BENCHMARKS = {
 
 
 def _bench(args) -> int:
-    """Run the families' benchmarks on this GPU, then plot them (and refresh README tables for the H200)."""
+    """Run the families' benchmarks on this GPU, then plot them (and refresh the result tables of README.md and
+    docs/results-h200.md for the H200)."""
     import os
     import re
     import subprocess
@@ -85,7 +86,7 @@ def _bench(args) -> int:
             failed |= subprocess.run([sys.executable, os.path.join(bench, script), "--csv", os.path.join(out, csv_name),
                                       *extra]).returncode
     subprocess.run([sys.executable, os.path.join(bench, "plot_results.py"), "--results", out])
-    if gpu == "h200":  # the README's tables are the H200's
+    if gpu == "h200":  # the documents' tables are the H200's
         subprocess.run([sys.executable, os.path.join(bench, "results_tables.py"), "--results", out])
     return 1 if failed else 0
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")
     d.add_argument("--steps", type=int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
     d.add_argument("--batch", type=int, default=1)
-    b = sub.add_parser("bench", help="run the benchmarks on this GPU: CSV, PNG plots, README tables (H200)")
+    b = sub.add_parser("bench", help="run the benchmarks on this GPU: CSV, PNG plots, result tables (H200)")
     b.add_argument("--family", action="append", choices=sorted(BENCHMARKS), help="only this family (repeatable)")
     args = ap.parse_args(argv)
     if args.cmd == "check":

@@ -118,8 +118,8 @@ def test_sm_count_is_read_once_per_device_under_threads(monkeypatch):
 
 
 def test_int4_mma_tma_fits_a_128_register_cap_without_spilling():
-    """The lead issue 4's counters point to (README): capped at 128 registers, int4_mma's TMA variants for up
-    to 16 rows still compile for sm_90a with no local memory, so 4 programs can share an SM. (x padded to
+    """The lead issue 4's counters point to (docs/results-h200.md): capped at 128 registers, int4_mma's TMA
+    variants for up to 16 rows still compile for sm_90a with no local memory, so 4 programs can share an SM. (x padded to
     32 or 64 rows needs up to 201 or 254 registers: those builds are not offered capped.)"""
     script = (
         "import dataclasses\n"

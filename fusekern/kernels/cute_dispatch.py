@@ -33,7 +33,7 @@ def _module():
 # swapped small-M tile yet, so it only takes the large products.
 CUTE_MIN_M = {1: 4096, 2: 128}  # by operand bytes
 # Between these and CUTE_MIN_M neither kernel wins every run: at FP8 M = 2048 the CuTe kernel was faster
-# in three runs of four (README, scale folding), by up to 15%. There the first product of a shape times
+# in three runs of four (docs/results-h200.md, scale folding), by up to 15%. There the first product of a shape times
 # both kernels on random operands of its shape and keeps the faster, per shape, block scaling and device.
 MEASURE_MIN_M = {1: 1024}
 _CHOSEN: dict[tuple, bool] = {}

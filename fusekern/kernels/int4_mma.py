@@ -71,8 +71,8 @@ class Int4Mma:
     # MMA accumulates (128 registers with TMA, not 167: the scaled product's fp32 copy is gone)
     scale_first: bool = False
     # a register cap per thread (Triton's maxnreg launch option): 128 compiles the TMA variants without a
-    # spill (sm_90a) and lets 4 programs share an SM instead of 3 (issue 4's counters in README); not offered
-    # by the dispatcher: within 0.4-6% of the uncapped and scale_first variants either way on the H200
+    # spill (sm_90a) and lets 4 programs share an SM instead of 3 (issue 4's counters in docs/results-h200.md);
+    # not offered by the dispatcher: within 0.4-6% of the uncapped and scale_first variants either way on the H200
     # (benchmarks/results/h200/int4_mma_regs_sweep.csv)
     maxnreg: int | None = None
 

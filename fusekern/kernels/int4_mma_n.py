@@ -21,8 +21,8 @@ the weights, split K reduced in the launch) with the packing on the MMA's row si
   ahead) or through a TMA descriptor that Triton pipelines; K is split over programs sized for one wave.
 x's rows are padded to 16 (masked loads). The dispatcher times it against the GEMV per shape
 (``decode_mm._packed_candidates``). H200, AWQ, N = K = 8192: 19.4-19.8 us at M = 1 (the GEMV 57.3) and, in
-the first version's run (K split in 8, scale first), 26.2 at M = 16 (decode + cuBLAS 112.1): README, "AWQ on
-tensor cores".
+the first version's run (K split in 8, scale first), 26.2 at M = 16 (decode + cuBLAS 112.1):
+docs/results-h200.md, "AWQ on tensor cores".
 
 Read top to bottom: config and layout check -> decode helpers -> kernel -> launcher -> builds.
 """

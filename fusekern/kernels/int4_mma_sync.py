@@ -4,8 +4,8 @@
 ``int4_mma`` reads (GPTQ's int32 words ``[K/8, N]`` or two codes per byte ``[N, K/2]``; zeros none, constant,
 GPTQ nibbles or 8-bit integers; float scales per group of 128 and column).
 
-Why: at a few rows the other kernels are bound by instruction issue, not by memory (README, issue 4): the
-CUDA-core GEMV spends ~5 instructions per weight (decode, a fp32 FMA per value, x and scales per word), and
+Why: at a few rows the other kernels are bound by instruction issue, not by memory (docs/results-h200.md, issue
+4): the CUDA-core GEMV spends ~5 instructions per weight (decode, a fp32 FMA per value, x and scales per word), and
 ``int4_mma``'s WGMMA needs x in shared memory and a trip through it for the scales, with barriers every
 tile. Here each warp is on its own, with no shared memory and no barrier:
 - Swap AB with ``mma.sync.m16n8k16``: a warp's A operand is 16 columns of W (16 x 16 k per instruction), B is
