@@ -47,6 +47,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--cases", default="demo,long")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     ap.add_argument("--splits", default="", help="also time the kernel at these split counts, e.g. 1,2,4,8")
     args = ap.parse_args()
     dev = "cuda"
@@ -79,6 +80,9 @@ def main():
                 "fusekern": lambda: fused(q, k, v, causal, pos),
                 "fusekern_kernel": lambda: A.decode_attention(q, k, v, mask),
             }
+            if args.autotune:
+                tuned = torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs")
+                variants["stock_autotune"] = lambda: tuned(q, k, v, causal, pos)
             for n in filter(None, args.splits.split(",")):
                 variants[f"fusekern_kernel_splits{n}"] = (lambda n=int(n): A.decode_attention(q, k, v, mask,
                                                                                                num_splits=n))

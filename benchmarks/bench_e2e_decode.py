@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--weights", default="w4a16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--scopes", default="layers,step")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     ap.add_argument("--ablate", default="", help="also time fusekern with each of these patterns disabled "
                                                  "(comma-separated names; a variant each), e.g. decode_attention")
     args = ap.parse_args()
@@ -73,6 +74,8 @@ def main():
                 continue
             floor = nb / BW * 1e6
             variants = {"eager": fn, "stock": torch.compile(fn), "fusekern": torch.compile(fn, backend="fusekern")}
+            if args.autotune:
+                variants["stock_autotune"] = torch.compile(fn, mode="max-autotune-no-cudagraphs")
             for name in filter(None, args.ablate.split(",")):
                 variants[f"fusekern_without_{name}"] = torch.compile(
                     fn, backend="fusekern", options={"fusekern.disable": [name]})

@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--contexts", default="8192")
     ap.add_argument("--batches", default="8")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     ap.add_argument("--splits", default="", help="also time these split counts (a sweep), e.g. 4,8,32")
     args = ap.parse_args()
     dev = "cuda"
@@ -57,6 +58,9 @@ def main():
                 "fusekern": lambda: fused(q, k8, ks, v8, vs, c),
                 "fusekern_kernel": lambda: A.fp8_kv_decode_attention(q, k8, ks, v8, vs.view(Hkv), c),
             }
+            if args.autotune:
+                tuned = torch.compile(plain_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+                variants["stock_autotune"] = lambda: tuned(q, k8, ks, v8, vs, c)
             for n in filter(None, args.splits.split(",")):
                 variants[f"fusekern_kernel_splits{n}"] = (lambda n=int(n): A.fp8_kv_decode_attention(
                     q, k8, ks, v8, vs.view(Hkv), c, num_splits=n))

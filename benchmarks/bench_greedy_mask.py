@@ -32,6 +32,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
     ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     args = ap.parse_args()
     info = versions()
     warm_up_clocks()
@@ -47,6 +48,8 @@ def main():
             "fusekern": torch.compile(greedy_banned, backend="fusekern"),
             "kernel": lambda lg, i, t: ma.masked_argmax_triton(lg, t, i),
         }
+        if args.autotune:
+            variants["stock_autotune"] = torch.compile(greedy_banned, mode="max-autotune-no-cudagraphs")
         floor = B * V * 2 / 4.3e12 * 1e6
         for name, fn in variants.items():
             got = fn(logits, ids, T)

@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--bs", default="1,8,32,256,512")
     ap.add_argument("--styles", default="hf,gpt_fast,vllm")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     args = ap.parse_args()
     warm_up_clocks()
     meta = versions()
@@ -82,6 +83,10 @@ def main():
                 "fusekern_cudagraphs": torch.compile(chain, backend="fusekern", mode="reduce-overhead"),
                 "fusekern_graph": fused,
             }
+            if args.autotune:
+                tuned = torch.compile(chain, mode="max-autotune-no-cudagraphs")
+                variants["inductor_autotune"] = tuned
+                variants["inductor_autotune_graph"] = tuned
             if style != "vllm":  # the kernel alone: same filters for every style
                 variants["fusekern_kernel"] = lambda x: S.sample_triton(x, T, seed=seed, **filters)
             for name, fn in variants.items():

@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ms", default="1,16,2048")
     ap.add_argument("--nk", default="8192x8192")
+    ap.add_argument("--autotune", action="store_true", help="also stock torch.compile with mode=\"max-autotune-no-cudagraphs\"")
     args = ap.parse_args()
     dev = "cuda"
     gpu = torch.cuda.get_device_name()
@@ -60,6 +61,8 @@ def main():
                 "fusekern_kernel": lambda x, w, s: k.w8a16_linear_triton(x, w, s, None, x.dtype),
                 "bf16_cublas_unquantized": lambda x, w, s: F.linear(x, wb),
             }
+            if args.autotune:
+                variants["inductor_autotune"] = torch.compile(w8a16, mode="max-autotune-no-cudagraphs")
             for name, fn in variants.items():
                 out = fn(x, w, s)
                 err = rel_err(out, ref) if name != "bf16_cublas_unquantized" else float("nan")

@@ -26,6 +26,11 @@ def _num(v: str) -> str:
     return "–" if math.isnan(x) else f"{x:.1f}"
 
 
+def _with_autotune(cols: list, rows: list[dict], key: str, variant: str, label: str) -> list:
+    """cols plus stock max-autotune's column where the CSV has that variant (``--autotune`` runs)."""
+    return cols + [(variant, label)] if any(r.get(key) == variant for r in rows) else cols
+
+
 def _rows(path: str) -> list[dict]:
     with open(path) as f:
         return list(csv.DictReader(f))
@@ -34,6 +39,7 @@ def _rows(path: str) -> list[dict]:
 def w8a16_linear(rows: list[dict]) -> list[str]:
     cols = [("eager", "eager"), ("inductor_default", "stock compile"), ("fusekern", "fusekern compiled"),
             ("fusekern_kernel", "fusekern kernel alone"), ("bf16_cublas_unquantized", "bf16 cuBLAS")]
+    cols = _with_autotune(cols, rows, "variant", "inductor_autotune", "stock max-autotune")
     by = {}
     for r in rows:
         by.setdefault((int(r["M"]), r["N"], r["K"]), {})[r["variant"]] = r
@@ -59,6 +65,8 @@ def sampler(rows: list[dict]) -> list[str]:
             ("inductor_cudagraphs", "stock reduce-overhead"), ("inductor_default_graph", "stock, one graph"),
             ("fusekern", "fusekern"), ("fusekern_cudagraphs", "fusekern reduce-overhead"),
             ("fusekern_graph", "fusekern, one graph"), ("fusekern_kernel", "kernel alone")]
+    cols = _with_autotune(cols, rows, "variant", "inductor_autotune", "stock max-autotune")
+    cols = _with_autotune(cols, rows, "variant", "inductor_autotune_graph", "stock max-autotune, one graph")
     by: dict = {}
     for r in rows:
         by.setdefault((r["style"], int(r["B"])), {})[r["variant"]] = r
@@ -118,6 +126,7 @@ def decode_mm_autotune(rows: list[dict]) -> list[str]:
 
 def greedy_mask(rows: list[dict]) -> list[str]:
     cols = [("eager", "eager"), ("stock", "stock compile"), ("fusekern", "fusekern")]
+    cols = _with_autotune(cols, rows, "variant", "stock_autotune", "stock max-autotune")
     by: dict = {}
     for r in rows:
         by.setdefault(int(r["B"]), {})[r["variant"]] = r
@@ -134,15 +143,18 @@ def greedy_mask(rows: list[dict]) -> list[str]:
 
 
 def e2e_decode(rows: list[dict]) -> list[str]:
-    out = ["| scope | B | floor | eager | stock compile | fusekern | stock + CUDA graph | fusekern + CUDA graph "
-           "| fusekern (graph) × floor |", "|---" * 9 + "|"]
+    tuned = any(r["impl"] == "stock_autotune" for r in rows)
+    out = ["| scope | B | floor | eager | stock compile | fusekern | stock + CUDA graph | "
+           + ("stock max-autotune + CUDA graph | " if tuned else "") + "fusekern + CUDA graph "
+           "| fusekern (graph) × floor |", "|---" * (10 if tuned else 9) + "|"]
     by: dict = {}
     for r in rows:
         by.setdefault((r["scope"], int(r["batch"])), {})[r["impl"]] = r
     for (scope, b), v in by.items():
         f = v["fusekern"]
+        at = (_num(v["stock_autotune"]["us_cudagraph"]) if "stock_autotune" in v else "–") + " | " if tuned else ""
         out.append(f"| {scope} | {b} | {_num(f['floor_us'])} | {_num(v['eager']['us'])} | {_num(v['stock']['us'])} | "
-                   f"{_num(f['us'])} | {_num(v['stock']['us_cudagraph'])} | {_num(f['us_cudagraph'])} | "
+                   f"{_num(f['us'])} | {_num(v['stock']['us_cudagraph'])} | {at}{_num(f['us_cudagraph'])} | "
                    f"{float(f['x_floor_cudagraph']):.2f} |")
     return out
 
@@ -152,6 +164,7 @@ def scaled_mm(rows: list[dict]) -> list[str]:
     cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
             ("fusekern_triton", "Triton kernel"), ("fusekern_cute", "CuTe kernel"),
             ("torch_scaled_mm", "torch._scaled_mm"), ("cublas_mm_alone", "cuBLAS mm alone")]
+    cols = _with_autotune(cols, rows, "variant", "stock_max_autotune", "stock max-autotune")
     by = {}
     for r in rows:
         by.setdefault((r["case"], int(r["M"]), r["N"], r["K"]), {})[r["variant"]] = r
@@ -179,6 +192,7 @@ def decode_attention(rows: list[dict]) -> list[str]:
     """Per (case, B, S, position): CUDA-graph µs of eager, stock, fusekern compiled and the kernel alone."""
     cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
             ("fusekern_kernel", "kernel")]
+    cols = _with_autotune(cols, rows, "variant", "stock_autotune", "stock max-autotune")
     by: dict = {}
     for r in rows:
         by.setdefault((r["case"], r["B"], r["S"], r.get("position", ""), r["floor_us"]), {})[r["variant"]] = r

@@ -1,0 +1,39 @@
+"""The result-table generators (benchmarks/results_tables.py) on made-up rows: stock max-autotune's column
+appears where a run measured it (``--autotune``, which ``python -m fusekern bench`` passes) and only there."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import results_tables as rt  # noqa: E402
+
+
+def _e2e_row(impl, us, graph):
+    return dict(scope="layers", batch="1", impl=impl, us=str(us), us_cudagraph=str(graph), floor_us="50.0",
+                x_floor_cudagraph=f"{graph / 50:.2f}")
+
+
+def test_e2e_table_gains_the_autotune_column_only_when_measured():
+    rows = [_e2e_row("eager", 900.0, 800.0), _e2e_row("stock", 700.0, 650.0), _e2e_row("fusekern", 300.0, 150.0)]
+    plain = rt.e2e_decode(rows)
+    assert "max-autotune" not in plain[0] and plain[2].count("|") == 10
+    tuned = rt.e2e_decode(rows + [_e2e_row("stock_autotune", 690.0, 640.5)])
+    assert "stock max-autotune + CUDA graph" in tuned[0]
+    cells = [c.strip() for c in tuned[2].strip("|").split("|")]
+    header = [c.strip() for c in tuned[0].strip("|").split("|")]
+    assert len(cells) == len(header) == 10
+    assert cells[header.index("stock max-autotune + CUDA graph")] == "640.5"
+    assert cells[header.index("fusekern + CUDA graph")] == "150.0"
+
+
+def test_variant_tables_gain_the_autotune_column_only_when_measured():
+    def row(variant, us):
+        return dict(B="8", variant=variant, median_us=str(us), cudagraph_us=str(us / 2), floor_us="1.0",
+                    tokens_equal="True")
+
+    rows = [row("eager", 30.0), row("stock", 20.0), row("fusekern", 10.0)]
+    assert "max-autotune" not in rt.greedy_mask(rows)[0]
+    tuned = rt.greedy_mask(rows + [row("stock_autotune", 18.0)])
+    header = [c.strip() for c in tuned[0].strip("|").split("|")]
+    cells = [c.strip() for c in tuned[2].strip("|").split("|")]
+    assert cells[header.index("stock max-autotune")] == "18.0"
+    assert cells[header.index("stock max-autotune + CUDA graph")] == "9.0"
