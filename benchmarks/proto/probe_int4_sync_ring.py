@@ -31,27 +31,14 @@ import argparse
 import dataclasses
 import sys
 
-import torch
-import triton
-
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
-from bench_common import RowWriter, copies_for_cold, cycling, versions, warm_up_clocks  # noqa: E402
-from bench_int4_mma import floor_us, zoo_weight  # noqa: E402
-from probe_int4_m1 import stream_read_kernel  # noqa: E402
-from fusekern.kernels import decode_mm as dm  # noqa: E402
+from int4_sync_probe import dispatcher_configs, probe_shapes  # noqa: E402
 from fusekern.kernels import int4_mma as im  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
-from fusekern.kernels import packed_mm as pm  # noqa: E402
 
 
 RING = False
-
-
-def median_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
 def variants(base: list, N: int, K: int, sms: int) -> list:
@@ -94,55 +81,17 @@ def main():
     args = ap.parse_args()
     global RING
     RING = args.ring
-    warm_up_clocks()
-    meta = versions()
-    out = RowWriter(args.csv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for shape in args.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        _, leaves, lay = zoo_weight("int4_k_stack", N, K)
-        weights = copies_for_cold(leaves)
-        copies = len(weights)
-        fl = floor_us(leaves, N, K, 1)
-        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-        ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
-        print(f"== int4_k_stack {N}x{K} M=1 floor {fl:.2f} us ({copies} copies cold)", flush=True)
-
-        def row(kind, cfg, err, warm, cold):
-            out.write(dict(**meta, format="int4_k_stack", N=N, K=K, M=1, kernel=kind, config=cfg,
-                           warm_us=round(warm, 2), cold_us=round(cold, 2), floor_us=round(fl, 2),
-                           x_floor_cold=round(cold / fl, 2), rel_err=err))
-            print(f"  {cfg:110s} warm {warm:7.2f}  cold {cold:7.2f} us  x{cold / fl:.2f}  {err}", flush=True)
-
-        grid, block, unroll = 4 * sms, 512, 8
-        sink = torch.empty(grid * block, dtype=torch.int32, device="cuda")
-        words = [w[0].view(torch.int32) for w in weights]
-
-        def read(i):
-            return lambda: stream_read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block,
-                                                       UNROLL=unroll, num_warps=4)
-        row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} 4/SM", "",
-            median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
-        base = [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, ims.Int4MmaSync)]
+    for shape, sms in probe_shapes(args.shapes, args.csv, width=110):
+        N, K = shape.N, shape.K
+        shape.stream_read(sms)
+        base = dispatcher_configs(shape, sms)
         plain = {}
         for cfg in (unroll_variants if args.unroll else variants)(base, N, K, sms):
-            try:
-                got = pm.packed_mm(x, leaves, lay, K, N, cfg)
-                err = f"{((got.float() - ref).norm() / ref.norm()).item():.2e}"
-                key = dataclasses.replace(cfg, UNROLL=False, maxnreg=None) if args.unroll else \
-                    dataclasses.replace(cfg, STAGES=0, PIN="")
-                if key == cfg:
-                    plain[key] = got
-                elif key in plain and not torch.equal(got, plain[key]):
-                    err += " DIFFERS FROM PLAIN"
-
-                def call(i, cfg=cfg):
-                    return lambda: pm.packed_mm(x, weights[i], lay, K, N, cfg)
-                row("Int4MmaSync", str(cfg).replace("Int4MmaSync", ""), err, median_us(call(0)),
-                    median_us(cycling([call(i) for i in range(copies)])))
-            except Exception as e:  # a config that does not compile or fit
-                print(f"  {cfg}: n/a ({type(e).__name__}: {str(e)[:200]})", flush=True)
-    out.close()
+            key = dataclasses.replace(cfg, UNROLL=False, maxnreg=None) if args.unroll else \
+                dataclasses.replace(cfg, STAGES=0, PIN="")
+            got = shape.run_config(cfg, plain.get(key) if key != cfg else None)
+            if key == cfg:
+                plain[key] = got
 
 
 if __name__ == "__main__":

@@ -36,58 +36,53 @@ import triton.language as tl
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
-from bench_common import RowWriter, copies_for_cold, cycling, versions, warm_up_clocks  # noqa: E402
-from bench_int4_mma import floor_us, zoo_weight  # noqa: E402
-from probe_int4_m1 import stream_read_kernel  # noqa: E402
-from fusekern.kernels import decode_mm as dm  # noqa: E402
+from int4_sync_probe import ProbeShape, dispatcher_configs, probe_shapes  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
-from fusekern.kernels import packed_mm as pm  # noqa: E402
+
+
+@triton.jit
+def _lane_rows(q_ptr, N, SQN: tl.constexpr, THREADS: tl.constexpr):
+    """int4_mma_sync's lane roles (one column group per warp): the thread index and the addresses of the lane's
+    word rows g and g + 8, at its quarter c of a group."""
+    tid = ims._thread_index(tl.zeros((THREADS,), tl.int32), True)
+    n0 = tl.minimum(tl.program_id(0) * (THREADS // 2) + (tid // 32) * 16 + (tid % 32) // 4, N - 1)
+    n1 = tl.minimum(n0 + 8, N - 1)
+    c = tid % 4
+    return tid, q_ptr + n0.to(tl.int64) * SQN + c * 4, q_ptr + n1.to(tl.int64) * SQN + c * 4
 
 
 @triton.jit
 def pattern_read_kernel(q_ptr, out_ptr, N, SQN: tl.constexpr, PER: tl.constexpr, SPLIT_K: tl.constexpr,
                         STRIDED: tl.constexpr, AHEAD: tl.constexpr, THREADS: tl.constexpr):
     """int4_mma_sync's loads of words (one column group per warp), XORed per lane."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tid = ims._thread_index(tl.zeros((THREADS,), tl.int32), True)
-    warp = tid // 32
-    g = (tid % 32) // 4
-    c = tid % 4
-    n0 = tl.minimum(pid_n * (THREADS // 2) + warp * 16 + g, N - 1)
-    n1 = tl.minimum(n0 + 8, N - 1)
-    wp0 = q_ptr + n0.to(tl.int64) * SQN + c * 4
-    wp1 = q_ptr + n1.to(tl.int64) * SQN + c * 4
+    tid, wp0, wp1 = _lane_rows(q_ptr, N, SQN, THREADS)
     t0 = pid_k if STRIDED else pid_k * PER
     DT: tl.constexpr = SPLIT_K if STRIDED else 1
     acc = tl.zeros((THREADS,), tl.int32)
     if AHEAD:
         for i in tl.static_range(PER):
-            a0, a1, a2, a3 = ims._load4(wp0 + (t0 + i * DT) * 16, True, 1, True, True)
-            b0, b1, b2, b3 = ims._load4(wp1 + (t0 + i * DT) * 16, True, 1, True, True)
-            acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3
+            acc ^= _xor8(wp0, wp1, t0 + i * DT)
     else:
         for i in range(PER):
-            a0, a1, a2, a3 = ims._load4(wp0 + (t0 + i * DT) * 16, True, 1, True, True)
-            b0, b1, b2, b3 = ims._load4(wp1 + (t0 + i * DT) * 16, True, 1, True, True)
-            acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3
-    tl.store(out_ptr + (pid_k * tl.num_programs(0) + pid_n) * THREADS + tid, acc)
+            acc ^= _xor8(wp0, wp1, t0 + i * DT)
+    tl.store(out_ptr + (pid_k * tl.num_programs(0) + tl.program_id(0)) * THREADS + tid, acc)
 
 
 @triton.jit
-def pattern_ring_kernel(q_ptr, out_ptr, N, SQN: tl.constexpr, PER: tl.constexpr, SPLIT_K: tl.constexpr,
-                        STAGES: tl.constexpr, THREADS: tl.constexpr, DECL: tl.constexpr, WAIT: tl.constexpr):
+def _xor8(wp0, wp1, t):
+    """Group t's 16-byte word rows of the lane (past L1, as the kernel loads them), XORed."""
+    a0, a1, a2, a3 = ims._load4(wp0 + t * 16, True, 1, True, True)
+    b0, b1, b2, b3 = ims._load4(wp1 + t * 16, True, 1, True, True)
+    return a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3
+
+
+@triton.jit
+def pattern_ring_kernel(q_ptr, out_ptr, N, SQN: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
+                        THREADS: tl.constexpr, DECL: tl.constexpr, WAIT: tl.constexpr):
     """``pattern_read_kernel``'s loads through a per-lane cp.async ring of STAGES slots (no arithmetic but XOR)."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tid = ims._thread_index(tl.zeros((THREADS,), tl.int32), True)
-    warp = tid // 32
-    g = (tid % 32) // 4
-    c = tid % 4
-    n0 = tl.minimum(pid_n * (THREADS // 2) + warp * 16 + g, N - 1)
-    n1 = tl.minimum(n0 + 8, N - 1)
-    wp0 = q_ptr + n0.to(tl.int64) * SQN + c * 4
-    wp1 = q_ptr + n1.to(tl.int64) * SQN + c * 4
+    tid, wp0, wp1 = _lane_rows(q_ptr, N, SQN, THREADS)
     t0 = pid_k * PER
     CHUNK: tl.constexpr = THREADS * 16
     SLOT: tl.constexpr = 2 * CHUNK
@@ -100,11 +95,12 @@ def pattern_ring_kernel(q_ptr, out_ptr, N, SQN: tl.constexpr, PER: tl.constexpr,
         tok = _ring_issue(lane + ((i + STAGES - 1) % STAGES) * SLOT, wp0 + tn * 16, wp1 + tn * 16, CHUNK)
         a0, a1, a2, a3, b0, b1, b2, b3 = _ring_read(lane + (i % STAGES) * SLOT, CHUNK, tok, WAIT)
         acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3
-    tl.store(out_ptr + (pid_k * tl.num_programs(0) + pid_n) * THREADS + tid, acc)
+    tl.store(out_ptr + (pid_k * tl.num_programs(0) + tl.program_id(0)) * THREADS + tid, acc)
 
 
 @triton.jit
 def _ring_issue(dst, p0, p1, CHUNK: tl.constexpr):
+    """cp.async (L2 only) of the lane's two 16-byte word rows into its slot at dst, committed as one group."""
     return tl.inline_asm_elementwise(
         "cp.async.cg.shared.global [$1], [$2], 16; cp.async.cg.shared.global [$3], [$4], 16; "
         "cp.async.commit_group; mov.u32 $0, 0;",
@@ -113,15 +109,51 @@ def _ring_issue(dst, p0, p1, CHUNK: tl.constexpr):
 
 @triton.jit
 def _ring_read(src, CHUNK: tl.constexpr, token, WAIT: tl.constexpr):
+    """Wait until the oldest group in flight has landed, then the lane's eight words of its slot at src."""
     return tl.inline_asm_elementwise(
         WAIT + "ld.shared.v4.b32 {$0, $1, $2, $3}, [$8]; ld.shared.v4.b32 {$4, $5, $6, $7}, [$9];",
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [src, src + CHUNK, token], dtype=(tl.int32,) * 8, is_pure=False, pack=1)
 
 
-def median_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+def pattern_rows(shape: ProbeShape, splits) -> None:
+    """The kernel's grid and word loads without its arithmetic, plain and through a cp.async ring."""
+    N, K = shape.N, shape.K
+    tiles = triton.cdiv(N, 64)
+    words = shape.words()
+    for split in splits:
+        per = K // 128 // split
+        sink = torch.empty(split * tiles * 128, dtype=torch.int32, device="cuda")
+        for strided in (False, True):
+            for ahead in ((False, True) if per <= 32 else (False,)):
+                def pread(i, strided=strided, ahead=ahead, split=split, per=per):
+                    return lambda: pattern_read_kernel[(tiles, split)](
+                        words[i], sink, N, SQN=K // 8, PER=per, SPLIT_K=split, STRIDED=strided, AHEAD=ahead,
+                        THREADS=128, num_warps=4)
+                shape.timed("pattern_read", f"pattern read SPLIT_K={split} strided={strided} ahead={ahead}", "",
+                            pread)
+        for stages in (2, 3, 4, 6):
+            decl = f"{{ .shared .align 16 .b8 fk_pring[{stages * 2 * 128 * 16}]; mov.u32 $0, fk_pring; }}"
+
+            def rread(i, stages=stages, split=split, per=per, decl=decl):
+                return lambda: pattern_ring_kernel[(tiles, split)](
+                    words[i], sink, N, SQN=K // 8, PER=per, STAGES=stages, THREADS=128, DECL=decl,
+                    WAIT=f"cp.async.wait_group {stages - 1}; ", num_warps=4)
+            shape.timed("pattern_ring", f"pattern read, cp.async ring SPLIT_K={split} STAGES={stages}", "", rread)
+
+
+def kernel_variants(base: list, args) -> list:
+    """The dispatcher's configs and the variants asked for (one column group per warp where noted)."""
+    variants = base + [dataclasses.replace(c, STAGE_SZ=True) for c in base] if args.stage else list(base)
+    for c in base:
+        if c.GROUPS_PER_WARP == 1 and args.nap:
+            variants += [dataclasses.replace(c, NAP=nap, NAP_PHASES=ph) for nap in (150, 400) for ph in (2, 4)]
+        if c.GROUPS_PER_WARP == 1 and args.late:
+            variants += [dataclasses.replace(c, LATE_FOLD=True), dataclasses.replace(c, LATE_FOLD=True, DROP=1)]
+        if c.GROUPS_PER_WARP == 1 and args.drop:
+            variants += [dataclasses.replace(c, DROP=d) for d in (1, 2, 8, 1 | 2 | 8)]
+    if args.strided:
+        variants += [dataclasses.replace(c, STRIDED_K=True) for c in base]
+    return variants
 
 
 def main():
@@ -135,91 +167,19 @@ def main():
     ap.add_argument("--late", action="store_true", help="the LATE_FOLD configs")
     ap.add_argument("--drop", action="store_true", help="the DROP configs (wrong results: what each part costs)")
     args = ap.parse_args()
-    warm_up_clocks()
-    meta = versions()
-    out = RowWriter(args.csv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for shape in args.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        _, leaves, lay = zoo_weight("int4_k_stack", N, K)
-        weights = copies_for_cold(leaves)
-        copies = len(weights)
-        fl = floor_us(leaves, N, K, 1)
-        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-        ref = pm.packed_mm_reference(x, leaves, lay, K, N).float().to(x.device)
-        print(f"== int4_k_stack {N}x{K} M=1 floor {fl:.2f} us ({copies} copies cold)", flush=True)
-
-        def row(kind, cfg, err, warm, cold):
-            out.write(dict(**meta, format="int4_k_stack", N=N, K=K, M=1, kernel=kind, config=cfg,
-                           warm_us=round(warm, 2), cold_us=round(cold, 2), floor_us=round(fl, 2),
-                           x_floor_cold=round(cold / fl, 2), rel_err=err))
-            print(f"  {cfg:100s} warm {warm:7.2f}  cold {cold:7.2f} us  x{cold / fl:.2f}  {err}", flush=True)
-
-        grid, block, unroll = 4 * sms, 512, 8
-        sink = torch.empty(grid * block, dtype=torch.int32, device="cuda")
-        words = [w[0].view(torch.int32) for w in weights]
-
-        def read(i):
-            return lambda: stream_read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block,
-                                                       UNROLL=unroll, num_warps=4)
-        row("stream_read", f"stream read (codes only) BLOCK={block} UNROLL={unroll} 4/SM", "",
-            median_us(read(0)), median_us(cycling([read(i) for i in range(copies)])))
-        base = [c for c in dm._packed_candidates(1, N, K, sms, lay) if isinstance(c, ims.Int4MmaSync)]
-        tiles = triton.cdiv(N, 64)
-        for split in sorted({c.SPLIT_K for c in base if c.GROUPS_PER_WARP == 1}) if args.pattern else ():
-            per = K // 128 // split
-            psink = torch.empty(split * tiles * 128, dtype=torch.int32, device="cuda")
-            for strided in (False, True):
-                for ahead in ((False, True) if per <= 32 else (False,)):
-                    def pread(i, strided=strided, ahead=ahead, split=split, per=per, psink=psink):
-                        return lambda: pattern_read_kernel[(tiles, split)](
-                            words[i], psink, N, SQN=K // 8, PER=per, SPLIT_K=split, STRIDED=strided, AHEAD=ahead,
-                            THREADS=128, num_warps=4)
-                    row("pattern_read", f"pattern read SPLIT_K={split} strided={strided} ahead={ahead}", "",
-                        median_us(pread(0)), median_us(cycling([pread(i) for i in range(copies)])))
+    for shape, sms in probe_shapes(args.shapes, args.csv):
+        shape.stream_read(sms)
+        base = dispatcher_configs(shape, sms)
         if args.pattern:
-            for split in sorted({c.SPLIT_K for c in base if c.GROUPS_PER_WARP == 1}):
-                per = K // 128 // split
-                psink = torch.empty(split * tiles * 128, dtype=torch.int32, device="cuda")
-                for stages in (2, 3, 4, 6):
-                    decl = f"{{ .shared .align 16 .b8 fk_pring[{stages * 2 * 128 * 16}]; mov.u32 $0, fk_pring; }}"
-
-                    def rread(i, stages=stages, split=split, per=per, psink=psink, decl=decl):
-                        return lambda: pattern_ring_kernel[(tiles, split)](
-                            words[i], psink, N, SQN=K // 8, PER=per, SPLIT_K=split, STAGES=stages, THREADS=128,
-                            DECL=decl, WAIT=f"cp.async.wait_group {stages - 1}; ", num_warps=4)
-                    row("pattern_ring", f"pattern read, cp.async ring SPLIT_K={split} STAGES={stages}", "",
-                        median_us(rread(0)), median_us(cycling([rread(i) for i in range(copies)])))
-        variants = base + [dataclasses.replace(c, STAGE_SZ=True) for c in base] if args.stage else list(base)
-        for c in base:
-            if c.GROUPS_PER_WARP == 1 and args.nap:
-                variants += [dataclasses.replace(c, NAP=nap, NAP_PHASES=ph) for nap in (150, 400) for ph in (2, 4)]
-            if c.GROUPS_PER_WARP == 1 and args.late:
-                variants += [dataclasses.replace(c, LATE_FOLD=True), dataclasses.replace(c, LATE_FOLD=True, DROP=1)]
-            if c.GROUPS_PER_WARP == 1 and args.drop:
-                variants += [dataclasses.replace(c, DROP=d) for d in (1, 2, 8, 1 | 2 | 8)]
-        if args.strided:
-            variants += [dataclasses.replace(c, STRIDED_K=True) for c in base]
+            pattern_rows(shape, sorted({c.SPLIT_K for c in base if c.GROUPS_PER_WARP == 1}))
         plain = {}
-        for cfg in variants:
-            try:
-                got = pm.packed_mm(x, leaves, lay, K, N, cfg)
-                err = f"{((got.float() - ref).norm() / ref.norm()).item():.2e}"
-                key = dataclasses.replace(cfg, STAGE_SZ=False, NAP=0, NAP_PHASES=2, LATE_FOLD=False)
-                if cfg.DROP:
-                    err += " (DROP: wrong by design)"
-                if key == cfg:
-                    plain[key] = got
-                elif not cfg.STRIDED_K and not cfg.DROP and key in plain and not torch.equal(got, plain[key]):
-                    err += " DIFFERS FROM PLAIN"
-
-                def call(i, cfg=cfg):
-                    return lambda: pm.packed_mm(x, weights[i], lay, K, N, cfg)
-                row("Int4MmaSync", str(cfg).replace("Int4MmaSync", ""), err, median_us(call(0)),
-                    median_us(cycling([call(i) for i in range(copies)])))
-            except Exception as e:  # a config that does not compile or fit
-                print(f"  {cfg}: n/a ({type(e).__name__}: {str(e)[:200]})", flush=True)
-    out.close()
+        for cfg in kernel_variants(base, args):
+            key = dataclasses.replace(cfg, STAGE_SZ=False, NAP=0, NAP_PHASES=2, LATE_FOLD=False)
+            same_math = key != cfg and not cfg.STRIDED_K and not cfg.DROP  # the plain kernel's bits expected
+            got = shape.run_config(cfg, plain.get(key) if same_math else None,
+                                   " (DROP: wrong by design)" if cfg.DROP else "")
+            if key == cfg:
+                plain[key] = got
 
 
 if __name__ == "__main__":
