@@ -17,6 +17,13 @@ The ring is primed before the tables are filled, so their loads overlap the firs
 shared array holds ring and tables (declared in the PTX, as the ring of git e20b9e2 did). Each variant is
 checked against the float64 reference and bit for bit against the plain kernel (same arithmetic, same order),
 then timed warm and cold as the other probes (``int4_sync_probe.ProbeShape``).
+
+Result (``benchmarks/results/h200/int4_sync_v2_probe.csv``, git 78ebd5d): no variant beat the plain kernel cold
+at its best split (8192 x 8192: 16.02 us plain, 15.87 with the scale table alone, 16.7-17.5 with the ring and
+both tables; 28672 x 4096: 26.66 plain, 28.4 at best). The ring helped only where the split left few programs
+(split 2 at 8192 x 8192: 30.9 -> 20.8). At git 78ebd5d the scale table skipped its last entries where the
+slice's groups times 64 columns were not a multiple of 128 threads (4096 x 14336, split 16: the rows marked
+"nan DIFFERS FROM PLAIN"); fixed since, not re-run.
 """
 from __future__ import annotations
 
@@ -133,8 +140,8 @@ def int4_sync_v2_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, c
         nw0, nw1, nw2, nw3 = ims._load4(wp0 + t0 * GW, True, SQK, ASM, True)
         nv0, nv1, nv2, nv3 = ims._load4(wp1 + t0 * GW, True, SQK, ASM, True)
     if SCALE_TABLE:  # entry (group i of the slice, column j of the tile): (s, 128 + z + c) as fp32
-        for r in tl.static_range(PER * BLOCK_N // THREADS):
-            e = tid + r * THREADS
+        for r in tl.static_range((PER * BLOCK_N + THREADS - 1) // THREADS):
+            e = tl.minimum(tid + r * THREADS, PER * BLOCK_N - 1)  # (past the table: its last entry again)
             if SSK == 1:  # groups run along memory: neighbouring threads read neighbouring groups
                 ei = e % PER
                 ej = e // PER

@@ -340,7 +340,9 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     # read's speed, and so does the loop without its word loads, sum-x MMAs and scale loads; with any one of
     # the three left in, it takes most of its time (int4_mma_sync_drop_probe.csv). Interleaved K slices,
     # scales staged in shared memory, warps started out of step and the fold done an iteration late did not
-    # help: _strided_probe.csv, _stage_probe.csv, _nap_probe.csv, _late_fold_probe.csv.)
+    # help: _strided_probe.csv, _stage_probe.csv, _nap_probe.csv, _late_fold_probe.csv. Nor did the three at
+    # once (words through a ring, scales and sum x in shared-memory tables filled before the loop):
+    # int4_sync_v2_probe.csv; the arithmetic alone takes about as long as the read.)
     for t in range(t0, t0 + PER):
         w0, w1, w2, w3 = nw0, nw1, nw2, nw3
         v0, v1, v2, v3 = nv0, nv1, nv2, nv3
