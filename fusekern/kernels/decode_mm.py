@@ -160,12 +160,12 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                              for bn in widths for tma, sf in ((False, False), (True, False), (True, True))
                              for per_sm in (4, 2))
     if ims.fits(lay, M, K, x_dtype):
-        # int4 along K, up to 16 rows, on mma.sync: one 16-column group per warp, or two sharing x (up to 8
-        # rows); about 4 or 8 programs of 4 warps per SM (H200, M = 1: benchmarks/results/h200/
-        # int4_mma_sync_sweep.csv, 2 and 16 per SM were slower on every shape; two groups of words loaded
-        # ahead did not help: int4_mma_sync_prefetch_sweep.csv)
+        # int4 along K, up to 8 rows, on mma.sync: one 16-column group per warp, or two sharing x; about
+        # 4 or 8 programs of 4 warps per SM (H200, M = 1: benchmarks/results/h200/int4_mma_sync_sweep.csv,
+        # 2 and 16 per SM were slower on every shape; two groups of words loaded ahead did not help:
+        # int4_mma_sync_prefetch_sweep.csv)
         out += dict.fromkeys(dataclasses.replace(c, SPLIT_K=im.split_k_for(N, K, c.BLOCK_N, sms, per_sm))
-                             for c in (ims.Int4MmaSync(GROUPS_PER_WARP=gpw) for gpw in ims.offered(M))
+                             for c in (ims.Int4MmaSync(GROUPS_PER_WARP=1), ims.Int4MmaSync(GROUPS_PER_WARP=2))
                              for per_sm in (8, 4))
     if M <= imn.M_MAX and imn.layout_fits(lay) and K % imn.GROUP == 0 and N % 8 == 0 \
             and x_dtype in (None, torch.bfloat16):

@@ -1,4 +1,4 @@
-"""int4 weights packed along K times up to 16 bf16 rows on warp-level tensor cores (mma.sync), all in registers.
+"""int4 weights packed along K times up to 8 bf16 rows on warp-level tensor cores (mma.sync), all in registers.
 
 ``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = (q[k, n] - z - c) * s[k // 128, n]``: the layouts that
 ``int4_mma`` reads (GPTQ's int32 words ``[K/8, N]`` or two codes per byte ``[N, K/2]``; zeros none, constant,
@@ -10,7 +10,6 @@ Why: at a few rows the other kernels are bound by instruction issue, not by memo
 tile. Here each warp is on its own, with no shared memory and no barrier:
 - Swap AB with ``mma.sync.m16n8k16``: a warp's A operand is 16 columns of W (16 x 16 k per instruction), B is
   x^T (16 k x 8 rows: up to 8 rows of x cost the same as one), the fp32 accumulator 16 columns x 8 rows.
-  9-16 rows take a second B tile (rows 8-15, ``M_TILES`` 2): each decoded A register feeds two MMAs.
 - The sum does not care which k-slot a value takes, as long as x takes the same one. Lane (g, c) of a warp
   (g = lane / 4, c = lane % 4) holds A's rows g and g + 8 in k-slots {2c, 2c+1, 2c+8, 2c+9}: it loads the 4
   words (32 k) of its c-th quarter of a 128-k group for columns g and g + 8, and one LOP3 per pair of
@@ -49,20 +48,9 @@ from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
 
-M_MAX = 16  # x's rows are the MMA's 8 columns, in one or two tiles of 8 (``m_tiles``)
+M_MAX = 8  # x's rows are the MMA's 8 columns
 WARP_COLUMNS = 16  # the MMA's 16 rows: columns of W per warp and column group
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def m_tiles(M: int) -> int:
-    """x's tiles of 8 rows (a compile-time constant: 1-8 rows and 9-16 rows compile apart)."""
-    return 1 if M <= 8 else 2
-
-
-def offered(M: int) -> tuple:
-    """The column-group layouts worth timing at M rows: with a second row tile, one group per warp (two would
-    hold four B tiles' registers)."""
-    return (1, 2) if M <= 8 else (1,)
 
 
 @dataclass(frozen=True)
@@ -80,7 +68,7 @@ class Int4MmaSync:
 
 
 def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:
-    """Where the dispatcher may offer it: ``int4_mma``'s layouts, bf16 rows up to 16, whole groups."""
+    """Where the dispatcher may offer it: ``int4_mma``'s layouts, bf16 rows up to 8, whole groups."""
     return M <= M_MAX and layout_fits(lay) and K % GROUP == 0 and x_dtype in (None, torch.bfloat16)
 
 
@@ -210,40 +198,6 @@ def _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_product2(w0, w1, w2, w3, v0, v1, v2, v3, xs, ys, ASM: tl.constexpr):
-    """``_group_product`` for two tiles of x rows (xs: rows 0-7, ys: rows 8-15) from one decode of the words."""
-    z = tl.zeros(w0.shape, tl.float32)
-    d0, d1, d2, d3 = z, z, z, z
-    e0, e1, e2, e3 = z, z, z, z
-    for i in tl.static_range(4):
-        if i == 0:
-            wa, wb = w0, v0
-        elif i == 1:
-            wa, wb = w1, v1
-        elif i == 2:
-            wa, wb = w2, v2
-        else:
-            wa, wb = w3, v3
-        a0, a1, a2, a3 = _nibble_pairs(wa, ASM)
-        b0, b1, b2, b3 = _nibble_pairs(wb, ASM)
-        d0, d1, d2, d3 = _mma(a0, b0, a1, b1, xs[4 * i], xs[4 * i + 1], d0, d1, d2, d3, ASM)
-        e0, e1, e2, e3 = _mma(a0, b0, a1, b1, ys[4 * i], ys[4 * i + 1], e0, e1, e2, e3, ASM)
-        d0, d1, d2, d3 = _mma(a2, b2, a3, b3, xs[4 * i + 2], xs[4 * i + 3], d0, d1, d2, d3, ASM)
-        e0, e1, e2, e3 = _mma(a2, b2, a3, b3, ys[4 * i + 2], ys[4 * i + 3], e0, e1, e2, e3, ASM)
-    return (d0, d1, d2, d3), (e0, e1, e2, e3)
-
-
-@triton.jit
-def _x_at(xq_ptr, t, ASM: tl.constexpr):
-    """A lane's x registers of group t (its row, its 32 k) as the B registers of its 8 MMAs."""
-    xa = _load4(xq_ptr + t * 64, True, 1, ASM)
-    xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
-    xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
-    xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
-    return _x_pairs(xa + xb + xc + xd, ASM)
-
-
-@triton.jit
 def _x_pairs(xq, ASM: tl.constexpr):
     """x's 16 registers of a lane's 32 k (bf16 pairs in k order) as the B registers of its 8 MMAs."""
     out = ()
@@ -292,11 +246,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, M_TILES: tl.constexpr = 1):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, M_TILES)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -313,7 +267,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, M_TILES: tl.constexpr = 1):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -325,8 +279,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH,
-                 M_TILES)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
 
 
 @triton.jit
@@ -334,12 +287,11 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, M_TILES: tl.constexpr):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
-    counter. N: a constant (one weight) or a member's width (a group's launch). M_TILES 2: rows 8-15 of x too
-    (one column group per warp, words one group ahead)."""
+    counter. N: a constant (one weight) or a member's width (a group's launch)."""
     BLOCK_N: tl.constexpr = 16 * GROUPS_PER_WARP * (THREADS // 32)
     tid = _thread_index(tl.zeros((THREADS,), tl.int32), ASM)
     warp = tid // 32
@@ -360,8 +312,6 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
         ln3 = tl.minimum(n3, N - 1)
     # x row g (rows past M read row M - 1: only their own, unstored output columns see them)
     xq_ptr = x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(g, M - 1).to(tl.int64) * (K // 2) + c * 16
-    if M_TILES == 2:  # row g + 8 of x for the second tile
-        yq_ptr = x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(g + 8, M - 1).to(tl.int64) * (K // 2) + c * 16
     # this lane's 4 words of a group: words 4c .. 4c + 3 of the group's 16 per column
     wp0 = q_ptr + ln0.to(tl.int64) * SQN + (c * 4) * SQK
     wp1 = q_ptr + ln1.to(tl.int64) * SQN + (c * 4) * SQK
@@ -379,7 +329,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
         ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
     zero = tl.zeros((THREADS,), tl.float32)
     acc0, acc1, acc2, acc3 = zero, zero, zero, zero
-    acc4, acc5, acc6, acc7 = zero, zero, zero, zero  # columns n2, n3 (two column groups) or rows 8-15
+    acc4, acc5, acc6, acc7 = zero, zero, zero, zero
     # (ptxas sinks the next group's word loads and this group's scale loads to the end of the iteration, next
     # to their first use, so the words are waited for in the iteration that issues them: about a third of
     # the warps' stall samples fall on the scale's first use, ncu, int4_mma_sync_stall_lines.csv. Pinning
@@ -410,51 +360,41 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
             y0, y1, y2, y3 = ny0, ny1, ny2, ny3
             nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
             ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True)
-        xs = _x_at(xq_ptr, t, ASM)
+        xa = _load4(xq_ptr + t * 64, True, 1, ASM)
+        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
+        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
+        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
+        xs = _x_pairs(xa + xb + xc + xd, ASM)
         sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
         sx0, sx1 = _sum_x(xs, ASM)
-        if M_TILES == 2:
-            ys = _x_at(yq_ptr, t, ASM)
-            sy0, sy1 = _sum_x(ys, ASM)
-            dx, dy = _group_product2(w0, w1, w2, w3, v0, v1, v2, v3, xs, ys, ASM)
-            acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3, dx, sx0, sx1, sz01)
-            acc4, acc5, acc6, acc7 = _folded(acc4, acc5, acc6, acc7, dy, sy0, sy1, sz01)
-        else:
-            acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
-                                             _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1,
-                                             sz01)
+        acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
+                                         _group_product(w0, w1, w2, w3, v0, v1, v2, v3, xs, ASM), sx0, sx1, sz01)
         if GROUPS_PER_WARP == 2:
             sz23 = _scale_zero(s_ptr, z_ptr, t, ln2, ln3, ZMODE, C, SZK, SZN, SSK, SSN)
             acc4, acc5, acc6, acc7 = _folded(acc4, acc5, acc6, acc7,
                                              _group_product(u0, u1, u2, u3, y0, y1, y2, y3, xs, ASM), sx0, sx1,
                                              sz23)
-    # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1; acc4-7: columns n2, n3 (two column
-    # groups) or rows m + 8 (two row tiles)
+    # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1 (and n2, n3)
     m0 = 2 * c
     m1 = m0 + 1
-    if GROUPS_PER_WARP == 2:
-        m2, m3, n4, n5 = m0, m1, n2, n3
-    else:
-        m2, m3, n4, n5 = m0 + 8, m1 + 8, n0, n1
-    SECOND: tl.constexpr = GROUPS_PER_WARP == 2 or M_TILES == 2
     if SPLIT_K > 1:
         _partials(ws_ptr, acc0, acc1, acc2, acc3, pid_k, m0, m1, n0, n1, M, N)
-        if SECOND:
-            _partials(ws_ptr, acc4, acc5, acc6, acc7, pid_k, m2, m3, n4, n5, M, N)
+        if GROUPS_PER_WARP == 2:
+            _partials(ws_ptr, acc4, acc5, acc6, acc7, pid_k, m0, m1, n2, n3, M, N)
         tl.debug_barrier()  # every thread's partials are written before the count (release below)
         cnt = cnt_ptr + pid_cnt
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             acc0, acc1, acc2, acc3 = _summed(ws_ptr, m0, m1, n0, n1, M, N, SPLIT_K)
-            if SECOND:
-                acc4, acc5, acc6, acc7 = _summed(ws_ptr, m2, m3, n4, n5, M, N, SPLIT_K)
+            if GROUPS_PER_WARP == 2:
+                acc4, acc5, acc6, acc7 = _summed(ws_ptr, m0, m1, n2, n3, M, N, SPLIT_K)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
             _store(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-            if SECOND:
-                _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m2, m3, n4, n5, M, N, HAS_BIAS, ASM)
+            if GROUPS_PER_WARP == 2:
+                _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m0, m1, n2, n3, M, N, HAS_BIAS, ASM)
     else:
         _store(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-        if SECOND:
-            _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m2, m3, n4, n5, M, N, HAS_BIAS, ASM)
+        if GROUPS_PER_WARP == 2:
+            _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m0, m1, n2, n3, M, N, HAS_BIAS, ASM)
 
 
 @triton.jit
@@ -515,9 +455,6 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
             or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
-    if m_tiles(x.shape[0]) == 2 and (cfg.GROUPS_PER_WARP, cfg.PREFETCH) != (1, 1):
-        raise ValueError(f"int4_mma_sync: {x.shape[0]} rows (two tiles of 8) and {cfg} do not fit: one column "
-                         "group per warp, words one group ahead")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         check_k_leaves("int4_mma_sync", leaves, lay, K, N)
         _LEAVES_OK.put((lay, K, N), leaves, True)
@@ -539,7 +476,7 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
     consts = _constexprs(lay, K, N)
     launch = replay.launch(int4_mma_sync_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, z, leaves[lay.scale], bias if bias is not None else out, out, ws, cnt, M), dict(
-        **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0, M),
+        **consts, HAS_BIAS=bias is not None, **_options(cfg, consts["SQK"] == 1 and q.data_ptr() % 16 == 0),
         num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
@@ -548,16 +485,16 @@ def int4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cf
 
 def _rows(x: torch.Tensor, record: bool):
     """(x as the kernel reads it: contiguous rows from a 16-byte aligned start, 16 bytes at a time; a copy
-    of at most 16 rows where it is not, whether the call may be recorded: only an x read in place)."""
+    of at most 8 rows where it is not, whether the call may be recorded: only an x read in place)."""
     if x.is_contiguous() and x.data_ptr() % 16 == 0:
         return x, record
     return x.clone(memory_format=torch.contiguous_format), False
 
 
-def _options(cfg: Int4MmaSync, vec: bool, M: int) -> dict:
+def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, M_TILES=m_tiles(M))
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
@@ -596,7 +533,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], **_options(cfg, vec, M), num_warps=cfg.num_warps), rec)
+        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
@@ -606,8 +543,8 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
 
 
 def aot_builds():
-    """The configs the dispatcher offers for the demo's gate / up projection (N = 14336, K = 4096) at M = 1
-    and 16 (two row tiles), for GPTQ and two codes per byte with 8-bit zeros (the demo's W4A16)."""
+    """The configs the dispatcher offers for the demo's gate / up projection (N = 14336, K = 4096) at M = 1,
+    for GPTQ and two codes per byte with 8-bit zeros (the demo's W4A16)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS
@@ -615,17 +552,16 @@ def aot_builds():
     builds = []
     for name in ("gptq", "int4_k_stack"):
         lay, (_, st, zt) = REPORT_LAYOUTS[name]
-        N, K = 14336, 4096
-        for M in (1, 16):
-            for cfg in dm._packed_candidates(M, N, K, 132, lay):
+        for N, K in ((14336, 4096),):
+            for cfg in dm._packed_candidates(1, N, K, 132, lay):
                 if not isinstance(cfg, Int4MmaSync):
                     continue
                 args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, bias_ptr="*bf16", out_ptr="*bf16",
                             ws_ptr="*fp32", cnt_ptr="*i32", M=3)  # M is not specialized (no hint)
                 consts = _constexprs(lay, K, N)
-                ce = {**consts, "HAS_BIAS": False, **_options(cfg, consts["SQK"] == 1, M), "ASM": True}
+                ce = {**consts, "HAS_BIAS": False, **_options(cfg, consts["SQK"] == 1), "ASM": True}
                 builds.append(TritonBuild("int4_mma_sync", f"{name} GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
-                                          f"PREFETCH={cfg.PREFETCH} M_TILES={m_tiles(M)} "
+                                          f"PREFETCH={cfg.PREFETCH} "
                                           f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [{N}x{K}]",
                                           int4_mma_sync_kernel, args, ce, cfg.num_warps, 1))
     # the grouped launch for a decoder's q / k / v (4096 + 1024 + 1024 columns), two codes per byte
@@ -639,7 +575,7 @@ def aot_builds():
         args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
                     cnt_ptr="*i32", **members)
         consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
-        ce = {**consts, **_options(cfg, True, 1), "ASM": True}
+        ce = {**consts, **_options(cfg, True), "ASM": True}
         builds.append(TritonBuild("int4_mma_sync_group", f"int4_k_stack GROUPS_PER_WARP={cfg.GROUPS_PER_WARP} "
                                   f"SPLIT_K={cfg.SPLIT_K} w{cfg.num_warps} [1x({'+'.join(map(str, Ns))})x{K}]",
                                   int4_mma_sync_group_kernel, args, ce, cfg.num_warps, 1))
