@@ -15,7 +15,7 @@ from fusekern.kernels.remat import REMAT_MODES, remat_flags
 # Modules with an ``aot_builds()`` function. A new kernel module adds itself here.
 KERNEL_MODULES = ("fusekern.kernels.w8a16_linear", "fusekern.kernels.sampler", "fusekern.kernels.decode_mm",
                   "fusekern.kernels.packed_mm", "fusekern.kernels.packed_gemv_group", "fusekern.kernels.int4_mma",
-                  "fusekern.kernels.int4_mma_n", "fusekern.kernels.int4_mma_sync",
+                  "fusekern.kernels.int4_mma_n", "fusekern.kernels.int4_mma_sync", "fusekern.kernels.fp4_mma",
                   "fusekern.kernels.masked_argmax", "fusekern.kernels.scaled_mm",
                   "fusekern.kernels.fp8_kv_attention", "fusekern.kernels.decode_attention")
 

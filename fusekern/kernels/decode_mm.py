@@ -42,6 +42,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
+from fusekern.kernels import fp4_mma as f4
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
@@ -182,6 +183,10 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
                               imn.Int4MmaN(two, prefetch=False), imn.Int4MmaN(three, prefetch=False)])
         if N % 32 == 0:
             out.append(imn.Int4MmaN(three, prefetch=False, scale_first=True, tma=True, num_stages=4))
+    if f4.fits(lay, M, K, x_dtype):
+        # MXFP4 on tensor cores, decoded by an in-register lookup table: int4_mma's 128-column tiles, about 4 or 2
+        # programs per SM
+        out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
     out.append(pm.PackedDequant())
     return [c for c in out if pm.fits(lay, c)]
 
@@ -794,12 +799,14 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
-    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, pm.PackedDequant)):
+    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma,
+                        pm.PackedDequant)):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
         ws = None
-        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync)):
+        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync,
+                                                      f4.Fp4Mma)):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
             if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype \
                     or not workspace.is_contiguous():
