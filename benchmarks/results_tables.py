@@ -100,14 +100,22 @@ def gemv_sweep(rows: list[dict]) -> list[str]:
 
 
 def decode_mm_shapes(rows: list[dict]) -> list[str]:
-    """Issue 4's shapes: stock and fusekern under CUDA graphs against the floor."""
+    """Issue 4's shapes: stock and fusekern under CUDA graphs against the floor (and stock max-autotune's
+    columns where the CSV has them: ``--autotune`` runs)."""
+    auto = any(r.get("stock_autotune_graph_us") for r in rows)
+    extra = " max-autotune + CUDA graph | × faster than max-autotune (graphs) |" if auto else ""
     out = ["| format | N x K | M | floor | eager | stock compile | stock + CUDA graph | fusekern | "
-           "fusekern + CUDA graph | × floor | × faster than stock (graphs) |", "|---" * 11 + "|"]
+           "fusekern + CUDA graph | × floor | × faster than stock (graphs) |" + extra,
+           "|---" * (13 if auto else 11) + "|"]
     for r in rows:
         g, sg, fl = float(r["fusekern_graph_us"]), float(r["stock_graph_us"]), float(r["floor_us"])
-        out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
-                   f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
-                   f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
+        line = (f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
+                f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
+                f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
+        if auto:
+            ag = float(r["stock_autotune_graph_us"])
+            line += f" {_num(r['stock_autotune_graph_us'])} | {ag / g:.1f} |"
+        out.append(line)
     return out
 
 

@@ -37,3 +37,17 @@ def test_variant_tables_gain_the_autotune_column_only_when_measured():
     cells = [c.strip() for c in tuned[2].strip("|").split("|")]
     assert cells[header.index("stock max-autotune")] == "18.0"
     assert cells[header.index("stock max-autotune + CUDA graph")] == "9.0"
+
+
+def test_decode_mm_shapes_gains_the_autotune_columns_only_when_measured():
+    row = dict(format="gptq", N="8192", K="8192", M="16", floor_us="8.0", eager_call_us="1000.0", stock_call_us="120.0",
+               stock_graph_us="110.0", fusekern_call_us="40.0", fusekern_graph_us="16.0")
+    plain = rt.decode_mm_shapes([row])
+    assert "max-autotune" not in plain[0] and plain[1].count("|") == 12
+    tuned = rt.decode_mm_shapes([dict(row, stock_autotune_graph_us="100.0")])
+    header = [c.strip() for c in tuned[0].strip("|").split("|")]
+    cells = [c.strip() for c in tuned[2].strip("|").split("|")]
+    assert len(cells) == len(header) == 13 and tuned[1].count("|") == 14
+    assert cells[header.index("max-autotune + CUDA graph")] == "100.0"
+    assert cells[header.index("× faster than max-autotune (graphs)")] == "6.2"
+    assert cells[header.index("× floor")] == "2.00"
