@@ -34,7 +34,8 @@ import triton.language as tl
 
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import (
-    _GROUP, GROUP, _bf16_rounded, _load_words_nc, _round_to, _x_tile, block_m, check_rows_and_bias, split_buffers,
+    _GROUP, GROUP, _bf16_rounded, _load_words_nc, _x_tile, block_m, check_rows_and_bias, split_buffers,
+    store_transposed,
 )
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
@@ -172,24 +173,8 @@ def fp4_mma_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             acc = tl.dot(wt, xt, acc)
         else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
             acc = tl.dot(wt, xt.to(tl.float32), acc, input_precision="ieee")
-    omask = mmask[None, :] & nmask[:, None]
-    if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the count (release below)
-        cnt = cnt_ptr + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sk in range(SPLIT_K):  # split order: deterministic; L2 reads (.cg): written by other SMs
-                tot += tl.load(ws_ptr + (sk * M + offs_m[None, :]) * N + offs_n[:, None], mask=omask, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + offs_n, mask=nmask, other=0).to(tl.float32)[:, None]
-            tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], _round_to(tot, out_ptr, ASM), mask=omask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], _round_to(acc, out_ptr, ASM), mask=omask)
+    store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N,
+                     HAS_BIAS, SPLIT_K, ASM, BLOCK_N, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------- launcher

@@ -282,8 +282,18 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
                 d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
             acc += d * s[:, None]
-    # out^T: out[m, n] = acc[n, m]. (Offsets written out at each use: one shared offset tensor was
-    # computed before the loop and held through it, 167 registers against 128.)
+    store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N,
+                     HAS_BIAS, SPLIT_K, ASM, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """out^T: out[m, n] = acc[n, m] of a swap-AB tile (columns offs_n, rows offs_m), plus bias, rounded; split
+    over K: the partial into ws [SPLIT_K, M, N], and the tile's last program sums them in split order (also
+    ``fp4_mma``'s epilogue). (Offsets written out at each use: one shared offset tensor was computed before the
+    loop and held through it, 167 registers against 128.)"""
     omask = mmask[None, :] & nmask[:, None]
     if SPLIT_K > 1:
         tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=omask)
