@@ -19,8 +19,8 @@ checked against the float64 reference and bit for bit against the plain kernel (
 then timed warm and cold as the other probes (``int4_sync_probe.ProbeShape``).
 
 Result (``benchmarks/results/h200/int4_sync_v2_probe.csv``, git 78ebd5d): no variant beat the plain kernel cold
-at its best split (8192 x 8192: 16.02 us plain, 15.87 with the scale table alone, 16.7-17.5 with the ring and
-both tables; 28672 x 4096: 26.66 plain, 28.4 at best). The ring helped only where the split left few programs
+by more than 1% at its best split (8192 x 8192: 16.02 us plain, 15.87 with the scale table alone, 16.7-17.5 with
+the ring and both tables; 28672 x 4096: 26.66 plain, 27.87 at best). The ring helped only where the split left few programs
 (split 2 at 8192 x 8192: 30.9 -> 20.8). At git 78ebd5d the scale table skipped its last entries where the
 slice's groups times 64 columns were not a multiple of 128 threads (4096 x 14336, split 16: the rows marked
 "nan DIFFERS FROM PLAIN"); fixed since, not re-run.
