@@ -782,6 +782,12 @@ def _launch(text: str, cfg: Config, grid, *args, record=None, **kwargs) -> None:
             stages -= 1
 
 
+# The configs that read a packed layout: the kernels that take a workspace (their split-K partials), and the
+# weight decoded once for cuBLAS.
+_PACKED_TILES = (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma)
+_PACKED_CONFIGS = _PACKED_TILES + (pm.PackedDequant,)
+
+
 def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None,
                      config=None, workspace: torch.Tensor | None = None, layout: str = "", record=None) -> torch.Tensor:
     """``x @ W + bias`` with the weight decoded in the GEMM's load stage (Triton, GPU or interpreter).
@@ -799,14 +805,12 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
-    if isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma,
-                        pm.PackedDequant)):
+    if isinstance(cfg, _PACKED_CONFIGS):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
         ws = None
-        if workspace is not None and isinstance(cfg, (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync,
-                                                      f4.Fp4Mma)):
+        if workspace is not None and isinstance(cfg, _PACKED_TILES):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype
             if tuple(workspace.shape) != (cfg.SPLIT_K, 1, M, prog.N) or workspace.dtype != ws_dtype \
                     or not workspace.is_contiguous():

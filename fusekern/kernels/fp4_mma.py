@@ -37,7 +37,7 @@ import triton.language as tl
 
 from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import (
-    _GROUP, GROUP, _bf16_rounded, _load_words_nc, _x_tile, block_m, check_rows_and_bias, split_buffers,
+    _GROUP, GROUP, _bf16_rounded, _load_words_nc, _x_tile, block_m, check_rows_and_bias, slot_tile, split_buffers,
     store_transposed,
 )
 from fusekern.kernels.intmath import cdiv
@@ -135,10 +135,7 @@ def _load_scales_nc(ptrs, ASM: tl.constexpr):
 def _w_tile(words, e, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_N, 16] words and their scales -> the [BLOCK_N, 128] MMA tile in ``int4_mma._w_tile``'s slot order."""
     v0, v4, v1, v5, v2, v6, v3, v7 = _decode8(words, e, ASM)
-    b = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
-    b = tl.reshape(b, (BLOCK_N, 4, 4, 2, 2, 2))  # n, c, t, h, p0, p1
-    b = tl.permute(b, (0, 1, 5, 4, 2, 3))  # n, c, p1, p0, t, h
-    return tl.reshape(b, (BLOCK_N, 128))
+    return slot_tile(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -161,6 +161,13 @@ def _w_tile(words, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     each k16 block: with this order they are the pairs of its own words, and the reshape lands in the
     operand layout without a conversion."""
     v0, v4, v1, v5, v2, v6, v3, v7 = _decode8(words, ASM)
+    return slot_tile(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_N)
+
+
+@triton.jit
+def slot_tile(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_N: tl.constexpr):
+    """Values i of each word ([BLOCK_N, 16] each, in ``_decode8``'s order) -> the [BLOCK_N, 128] tile in
+    ``_w_tile``'s slot order, which ``_x_tile`` reads x in (also ``fp4_mma``'s E2M1 tile)."""
     b = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
     b = tl.reshape(b, (BLOCK_N, 4, 4, 2, 2, 2))  # n, c, t, h, p0, p1
     b = tl.permute(b, (0, 1, 5, 4, 2, 3))  # n, c, p1, p0, t, h
