@@ -137,6 +137,40 @@ def test_zoo_compiles_and_matches_eager(case):
     assert check.errors[0] <= TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "awq", "int4_k_shift_tensor"])
+def test_tables_built_in_the_decode_travel_in_the_program(name):
+    """A table the user's decode builds with ``torch.tensor(...)`` is embedded in the op's program: the graph
+    neither copies it per call (``lift_fresh_copy``) nor passes it, and the result still matches eager."""
+    case = BY_NAME[name]
+    K, N, G = sizes(case)
+    torch.manual_seed(2)
+    ws = case.make(K, N, G, "cpu")
+    check = assert_compiled(case.fn, (torch.randn(3, K, dtype=torch.bfloat16), *ws), fired={"decode_matmul": 1},
+                            gone=["aten.mm.default", "aten.lift_fresh_copy.default"],
+                            present=["fusekern.decode_mm.default"], options=ONLY_STRUCTURAL)
+    assert check.errors[0] <= TOL[torch.bfloat16]
+
+
+def test_program_constants_round_trip_and_bind():
+    """``with_constants`` embeds a table by value; the text round-trips; ``bind`` takes either every leaf or
+    the inputs only (then one tensor per table and device); a wrong count is a clear error."""
+    prog = DecodeProgram.from_text(dm.report_program("mxfp4", N=256, K=256))
+    table = next(i for i, leaf in enumerate(prog.leaves) if leaf.numel == 16)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    held = DecodeProgram.from_text(prog.with_constants({table: values}).to_text())
+    assert held.leaves[table].values == tuple(values.tolist()) and table not in held.inputs
+    others = [torch.zeros(leaf.shape, dtype=leaf.dtype) for leaf in (held.leaves[i] for i in held.inputs)]
+    bound = held.bind(others, "cpu")
+    assert bound[table] is held.bind(others, "cpu")[table] and torch.equal(bound[table], values)
+    assert torch.equal(torch.signbit(bound[table]), torch.signbit(values))  # -0.0 kept
+    every = held.bind([*others[:table], values, *others[table:]], "cpu")
+    assert every[table] is not bound[table]
+    with pytest.raises(ValueError, match="reads 2 leaves"):
+        held.bind(others[:1], "cpu")
+    with pytest.raises(ValueError, match="constant"):
+        prog.with_constants({table: values.to(torch.float64)})
+
+
 def test_report_names_the_format():
     import fusekern
 

@@ -269,6 +269,9 @@ class _FakeProg:
     def leaves(self):
         return []
 
+    def bind(self, leaves, device):
+        return list(leaves)
+
 
 def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
     monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
@@ -277,7 +280,7 @@ def test_decode_mm_group_replays_only_the_same_leaves(monkeypatch):
     monkeypatch.setattr(dmg, "split_leaves", lambda leaves, programs: [leaves[:2], leaves[2:]])
     monkeypatch.setattr(dm, "_check_args", lambda *a: None)
     monkeypatch.setattr(dmg.DecodeProgram, "from_text", staticmethod(lambda t: dataclasses.make_dataclass(
-        "P", [("K", int), ("N", int)])(16, 8)))
+        "P", [("K", int), ("N", int)], namespace={"bind": lambda self, leaves, device: list(leaves)})(16, 8)))
     monkeypatch.setattr(dmg.PackedLayout, "from_text", staticmethod(lambda t: None))
     reps, grouped = [], []
 
@@ -406,6 +409,33 @@ def test_ops_record_then_replay(interpreted, monkeypatch):
     for g, m, t in zip(got, members, texts):
         assert torch.equal(g, real(x2, m, t, None, pm.PackedGemv(32, 128, 2, 4), layout=layout))
 
+
+
+def test_op_replays_a_program_that_holds_its_table(interpreted, monkeypatch):
+    """MXFP4's E2M1 table travels inside the program (as the rewrite passes it): the op takes the codes and
+    scales only, holds one tensor of the table, and its second call replays. (When the graph passed the
+    table, inductor made a fresh copy of it per call and every call missed the replay cache.)"""
+    from fusekern.patterns.decode.program import DecodeProgram
+
+    monkeypatch.setattr(dm, "_REPLAYS", dm.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    text, leaves, layout = _program("mxfp4", 256, 72, x)
+    prog = DecodeProgram.from_text(text)
+    tables = {i: t for i, t in enumerate(leaves) if t.numel() <= 16}
+    assert len(tables) == 1 and len(leaves) == 3
+    held = prog.with_constants(tables).to_text()
+    hprog = DecodeProgram.from_text(held)
+    inputs = [leaves[i] for i in hprog.inputs]
+    assert len(inputs) == 2 and hprog.bind(inputs, x.device)[2] is hprog.bind(inputs, x.device)[2]
+    assert torch.equal(hprog.bind(inputs, x.device)[2], leaves[2])
+    first = dm._decode_mm_cuda(x, inputs, held, None, layout)
+    assert torch.equal(first, dm.decode_mm_triton(x, leaves, text, None, layout=layout))
+    x2 = torch.randn(1, 256, dtype=torch.bfloat16)
+    want = dm.decode_mm_triton(x2, leaves, text, None, layout=layout)
+    monkeypatch.setattr(dm, "decode_mm_triton", lambda *a, **k: pytest.fail("not replayed"))
+    got = dm._decode_mm_cuda(x2, inputs, held, None, layout)
+    assert torch.equal(got, want) and not torch.equal(got, first)
 
 
 def test_grouped_op_records_and_replays_int4_mma_sync(interpreted, monkeypatch):

@@ -725,21 +725,32 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         raise ValueError(f"decode_mm: x of shape {tuple(x.shape)} does not fit a weight of shape {list(prog.shape)}")
     if x.dtype != prog.dtype:
         raise ValueError(f"decode_mm: x is {x.dtype} but the decoded weight is {prog.dtype}")
-    if len(leaves) != len(prog.leaves):
-        raise ValueError(f"decode_mm: the program reads {len(prog.leaves)} leaves, got {len(leaves)}")
+    specs = _leaf_specs(prog, len(leaves))
     if not text:
-        _check_leaves(x, leaves, prog)
+        _check_leaves(x, leaves, specs)
     elif _LEAVES_OK.get((text, x.device), leaves) is None:
-        _check_leaves(x, leaves, prog)
-        if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, prog.leaves)):
+        _check_leaves(x, leaves, specs)
+        if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, specs)):
             raise ValueError("decode_mm_triton: leaf strides differ from the program's; use decode_mm")
         _LEAVES_OK.put((text, x.device), leaves, True)
     if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
         raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
 
 
-def _check_leaves(x: torch.Tensor, leaves, prog: DecodeProgram) -> None:
-    for i, (t, leaf) in enumerate(zip(leaves, prog.leaves)):
+def _leaf_specs(prog: DecodeProgram, count: int) -> list:
+    """The program's leaves that ``count`` tensors stand for: all of them, or the op's inputs (the program
+    holds its constants)."""
+    if count == len(prog.leaves):
+        return prog.leaves
+    if count == len(prog.inputs):
+        return [prog.leaves[i] for i in prog.inputs]
+    raise ValueError(f"decode_mm: the program reads {len(prog.inputs)} leaves"
+                     + (f" (or {len(prog.leaves)} with its constants)" if len(prog.inputs) < len(prog.leaves) else "")
+                     + f", got {count}")
+
+
+def _check_leaves(x: torch.Tensor, leaves, specs) -> None:
+    for i, (t, leaf) in enumerate(zip(leaves, specs)):
         if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
             raise ValueError(f"decode_mm: leaf {i} is {t.dtype}{list(t.shape)}, the program reads "
                              f"{leaf.dtype}{list(leaf.shape)}")
@@ -796,6 +807,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
     workspace: optional ``[SPLIT_K, batch, M, N]`` buffer the kernel writes (tests pass one full of NaN).
     record: called with a ``replay.Replay`` of the whole call (not with a workspace given)."""
     prog = DecodeProgram.from_text(text)
+    leaves = prog.bind(leaves, x.device)
     _check_args(x, leaves, prog, bias, text)
     batched = prog.batch > 0
     x3 = x if batched else x.unsqueeze(0)
@@ -987,6 +999,7 @@ def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     if rep is not None:
         return rep(x, bias)
     prog = DecodeProgram.from_text(program)
+    leaves = prog.bind(leaves, x.device)
     if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):
         return decode_mm_triton(x, leaves, program, bias, layout=layout, record=replay.recorder(_REPLAYS, key, tensors))
     return _decode_mm_cpu(x, leaves, program, bias)
@@ -999,7 +1012,7 @@ def _decode_mm_cpu(x, leaves, program, bias, layout=""):
     """Decode the whole weight with torch (the kernel's semantics), then one matmul."""
     prog = DecodeProgram.from_text(program)
     _check_args(x, leaves, prog, bias)
-    w = prog.evaluate(leaves)
+    w = prog.evaluate(prog.bind(leaves, x.device))
     out = torch.matmul(x, w)
     if bias is not None:
         out = (out.float() + bias.float()).to(x.dtype)

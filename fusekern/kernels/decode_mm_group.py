@@ -32,10 +32,13 @@ SEPARATE = "separate"  # the tuner's choice: each member's own launch
 
 
 def split_leaves(leaves, programs) -> list[list[torch.Tensor]]:
-    """The flat leaf list cut into each member's leaves (a program knows how many it reads)."""
+    """The flat leaf list cut into each member's leaves (a program knows how many it reads): every leaf of
+    every member, or only their inputs (the programs hold their constants, see ``DecodeProgram.bind``)."""
+    progs = [DecodeProgram.from_text(text) for text in programs]
+    full = sum(len(p.leaves) for p in progs) == len(leaves)
     out, i = [], 0
-    for text in programs:
-        n = len(DecodeProgram.from_text(text).leaves)
+    for p in progs:
+        n = len(p.leaves) if full else len(p.inputs)
         out.append(list(leaves[i:i + n]))
         i += n
     if i != len(leaves):
@@ -137,7 +140,7 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         outs = rep(x)
         if outs is not None:
             return outs
-    members = split_leaves(leaves, programs)
+    members = [DecodeProgram.from_text(t).bind(m, x.device) for m, t in zip(split_leaves(leaves, programs), programs)]
     cfg = tuned_choice(x, members, programs, layout)
     if cfg != SEPARATE:
         progs = [DecodeProgram.from_text(t) for t in programs]

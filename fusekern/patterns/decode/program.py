@@ -75,11 +75,18 @@ class Instr:
 
 @dataclass(frozen=True)
 class Leaf:
-    """A tensor the decode reads: packed codes, scales, zeros, tables."""
+    """A tensor the decode reads: packed codes, scales, zeros, tables.
+
+    values: the contents of a small graph constant (a lookup or shift table the user's code builds with
+    ``torch.tensor(...)``), carried in the program so the op owns the tensor (``constant_tensor``) and the
+    graph does not pass it: inductor hands such a constant over as a fresh copy on every call, which
+    defeats the per-leaf-set caches of the op (each call took the slow path: 200-600 µs on the H200's
+    host for MXFP4). None for every tensor the op takes as an argument."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    values: tuple | None = None
 
     @property
     def numel(self) -> int:
@@ -118,12 +125,47 @@ class DecodeProgram:
                     users[a.i].append(i)
         return users
 
+    # -- leaves the op takes, and constants it owns -------------------------------------------------
+    @property
+    def inputs(self) -> list[int]:
+        """Indices of the leaves passed to the op (all but the embedded constants)."""
+        return [i for i, l in enumerate(self.leaves) if l.values is None]
+
+    def with_constants(self, constants: dict) -> "DecodeProgram":
+        """This program with the leaves in ``constants`` (index -> a small contiguous CPU tensor of the
+        leaf's dtype and shape) embedded by value."""
+        leaves = list(self.leaves)
+        for i, t in constants.items():
+            leaf = leaves[i]
+            if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape or not t.is_contiguous():
+                raise ValueError(f"constant {i} is {t.dtype}{list(t.shape)}, the leaf {leaf}")
+            leaves[i] = Leaf(leaf.dtype, leaf.shape, leaf.stride, tuple(t.reshape(-1).tolist()))
+        return DecodeProgram(leaves, self.instrs, self.out, self.K, self.N, self.batch, dict(self.meta))
+
+    def bind(self, tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Every leaf's tensor: ``tensors`` are either all leaves or only ``inputs`` (the embedded constants
+        then come from ``constant_tensor``, one tensor per value set and device, kept for the process)."""
+        if len(tensors) == len(self.leaves):
+            return list(tensors)
+        inputs = self.inputs
+        if len(tensors) != len(inputs):
+            raise ValueError(f"decode program reads {len(inputs)} leaves (and {len(self.leaves) - len(inputs)} "
+                             f"constants it holds), got {len(tensors)}")
+        out = [None] * len(self.leaves)
+        for i, t in zip(inputs, tensors):
+            out[i] = t
+        for i, leaf in enumerate(self.leaves):
+            if leaf.values is not None:
+                out[i] = constant_tensor(leaf, device)
+        return out
+
     # -- text form (the op's argument) ---------------------------------------------------------------
     def to_text(self) -> str:
         doc = {
             "v": FORMAT_VERSION,
             "shape": [self.batch, self.K, self.N],
-            "leaves": [[_dtype_name(l.dtype), list(l.shape), list(l.stride)] for l in self.leaves],
+            "leaves": [[_dtype_name(l.dtype), list(l.shape), list(l.stride)]
+                       + ([list(l.values)] if l.values is not None else []) for l in self.leaves],
             "instrs": [[ins.op, _dtype_name(ins.dtype), [_enc(a) for a in ins.args]] for ins in self.instrs],
             "out": self.out,
         }
@@ -221,12 +263,34 @@ def _parse(text: str) -> DecodeProgram:
     if doc.get("v") != FORMAT_VERSION:
         raise ValueError(f"decode program version {doc.get('v')!r}, expected {FORMAT_VERSION}")
     batch, k, n = doc["shape"]
-    leaves = [Leaf(dtype_of(d), tuple(s), tuple(st)) for d, s, st in doc["leaves"]]
+    leaves = [Leaf(dtype_of(d), tuple(s), tuple(st), tuple(rest[0]) if rest else None)
+              for d, s, st, *rest in doc["leaves"]]
     instrs = [Instr(op, tuple(_dec(a) for a in args), dtype_of(d)) for op, d, args in doc["instrs"]]
     for ins in instrs:
         if ins.op not in OPS:
             raise ValueError(f"unknown decode op {ins.op!r}")
     return DecodeProgram(leaves, instrs, doc["out"], k, n, batch)
+
+
+_CONSTANTS: dict = {}  # (dtype, shape, values, device) -> the tensor: a few tables per process
+
+
+def constant_tensor(leaf: Leaf, device) -> torch.Tensor:
+    """The embedded constant ``leaf`` as a tensor on ``device``: the same tensor object on every call.
+
+    Made on first use, which copies from the host: a program's first call must not be inside a CUDA
+    graph capture (inductor's CUDA graphs warm up first, and the op's other per-shape work needs that
+    too)."""
+    device = torch.device(device)
+    key = (leaf.dtype, leaf.shape, leaf.values, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode program constants are made on a call before CUDA graph capture; "
+                               "run the compiled function once before capturing it")
+        host = torch.tensor(leaf.values, dtype=torch.float64 if leaf.dtype.is_floating_point else torch.int64)
+        t = _CONSTANTS[key] = host.to(leaf.dtype).reshape(leaf.shape).to(device)
+    return t
 
 
 # ----------------------------------------------------------------------------- index expressions

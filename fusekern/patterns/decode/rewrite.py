@@ -97,13 +97,19 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     constants = _constants(graph, cone)
     fmt = recognize(prog, constants)
     layout = derive_layout(prog, fmt, constants)
+    # Small constant tables travel inside the program (the op keeps one tensor of each): passed as graph
+    # values they would arrive as a fresh copy every call (below), a launch and a miss in the op's caches.
+    embedded = {i: t for i, t in constants.items() if t.is_contiguous() and tuple(t.stride()) == prog.leaves[i].stride}
+    prog = prog.with_constants(embedded)
     mode = _val(act).fake_mode
     leaves = []
     with graph.inserting_before(mm):
-        for leaf in cone.leaves:
+        for i, leaf in enumerate(cone.leaves):
+            if i in embedded:
+                continue
             if leaf.op == "get_attr":
-                # A graph constant (a lookup table): its meta value is real; inductor lowers the op with
-                # fake tensors, so pass a lifted copy, as the user's graph did.
+                # A graph constant: its meta value is real; inductor lowers the op with fake tensors
+                # (and rejects the real one), so pass a lifted copy, as the user's graph did.
                 lifted = graph.call_function(aten.lift_fresh_copy.default, (leaf,))
                 lifted.meta["val"] = mode.from_tensor(_val(leaf)) if not _is_fake(_val(leaf)) else _val(leaf)
                 leaf = lifted
