@@ -120,13 +120,15 @@ def decode_mm_shapes(rows: list[dict]) -> list[str]:
 
 
 def decode_mm_autotune(rows: list[dict]) -> list[str]:
-    """Large M against stock max-autotune and the unquantized bf16 cuBLAS mm (``bench_decode_mm.py --autotune``)."""
+    """Large M against stock max-autotune ("–" where the run had no ``--autotune``) and the unquantized bf16
+    cuBLAS mm (``bench_decode_mm.py``)."""
     out = ["| format | N x K | M | eager | stock compile + CUDA graph | max-autotune + CUDA graph | fusekern | "
            "fusekern + CUDA graph | bf16 cuBLAS mm | × cuBLAS (fusekern, graph) |", "|---" * 10 + "|"]
     for r in rows:
         g, cb = float(r["fusekern_graph_us"]), float(r["cublas_bf16_call_us"])
+        auto = _num(r["stock_autotune_graph_us"]) if r.get("stock_autotune_graph_us") else "–"
         out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['eager_call_us'])} | "
-                   f"{_num(r['stock_graph_us'])} | {_num(r['stock_autotune_graph_us'])} | "
+                   f"{_num(r['stock_graph_us'])} | {auto} | "
                    f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | "
                    f"{_num(r['cublas_bf16_call_us'])} | {g / cb:.2f} |")
     return out
@@ -316,6 +318,7 @@ TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
           "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
           "decode_mm_lm_head": decode_mm_shapes, "decode_mm_lm_head_2048": decode_mm_autotune,
+          "decode_mm_shapes_2048": decode_mm_autotune,
           "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma,
           "int4_mma_n_sweep": int4_mma_n_sweep, "int4_mma_n_sweep_c8a9946": int4_mma_n_vs_before}
 
