@@ -625,7 +625,7 @@ def test_gpu_replay_with_a_torch_tail(fmt, K, N, M, cfg, with_bias):
     assert isinstance(rep, replay.Replay)
     for _ in range(2):
         x2 = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
-        got = _poisoned_replay(rep, x2, [(M, N), (K, N)], bias)
+        got = _poisoned_replay(rep, x2, [(M, N), (N, K)], bias)
         want = dm.decode_mm_triton(x2, leaves, text, bias, cfg, layout=layout)
         assert got.shape == (M, N) and not got.isnan().any() and torch.equal(got, want)
         assert rel_err(got.float().cpu(), dm.decode_mm_reference(x2, leaves, text, bias).float().cpu()) < 1e-2

@@ -881,9 +881,15 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
 
 def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
                   cfg: PackedDequant = PackedDequant(), record=None) -> torch.Tensor:
-    """The weight ``[K, N]`` in ``dtype``, written once. record: called with the ``replay.Launch``."""
+    """The weight ``[K, N]`` in ``dtype``, written once, as the transpose of an ``[N, K]`` buffer (so cuBLAS runs
+    ``x @ w`` as "TN"). record: called with the ``replay.Launch``.
+
+    Why [N, K]: the decode writes along K, where the packed words hold their values, and ran 1.1-1.5x faster
+    so than writing [K, N] rows (H200, M = 2048 shapes of issue 4: GPTQ 8192 x 8192 71.0 -> 49.9 µs, MXFP4
+    73.2 -> 48.9, FP8 59.7 -> 54.5), while cuBLAS took the same time within 1% either way
+    (``benchmarks/proto/dequant_sweep.py``, ``benchmarks/results/h200/dequant_sweep.csv``)."""
     ptrs, (kw, sqk, sqn, ssk, ssn, szk, szn), consts = _common(lay, leaves, K, N, False)
-    w = torch.empty((K, N), device=leaves[lay.code].device, dtype=dtype)
+    w = torch.empty((N, K), device=leaves[lay.code].device, dtype=dtype).t()
     grid = (cdiv(K, cfg.BLOCK_K), cdiv(N, cfg.BLOCK_N))
     launch = replay.launch(packed_decode_kernel, grid, (
         w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1)), dict(
@@ -935,13 +941,14 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
     launches = []
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg, launches.append if record is not None else None)
     if launches:
-        record(replay.Replay(launches[0], {"w_ptr": 0}, [((K, N), x.dtype)], _matmul_tail))
-    return _matmul_tail(x, [w], bias)
+        record(replay.Replay(launches[0], {"w_ptr": 0}, [((N, K), x.dtype)], _matmul_tail))
+    return _matmul_tail(x, [w.t()], bias)
 
 
 def _matmul_tail(x: torch.Tensor, bufs, bias):
-    """cuBLAS on the decoded weight, then the bias in fp32 (the decode + matmul path, and its replay)."""
-    out = x @ bufs[0]
+    """cuBLAS on the decoded weight ``bufs[0]`` ([N, K]), then the bias in fp32 (the decode + matmul path, and
+    its replay)."""
+    out = x @ bufs[0].t()
     if bias is not None:
         out = (out.float() + bias.float()).to(x.dtype)
     return out
