@@ -56,7 +56,11 @@ def main():
     ap.add_argument("--shapes", default="8192x8192,14336x4096,4096x14336")
     ap.add_argument("--formats", default="gptq,fp8_channel,mxfp4")
     ap.add_argument("--m", type=int, default=2048)
+    ap.add_argument("--layouts", default="NN,TN")
+    ap.add_argument("--configs", default=None, help="BLOCK_KxBLOCK_NwWARPS,... (default: CONFIGS)")
     args = ap.parse_args()
+    configs = CONFIGS if not args.configs else [
+        pm.PackedDequant(*(int(v) for v in c.replace("w", "x").split("x"))) for c in args.configs.split(",")]
     info = versions()
     warm_up_clocks()
     out = RowWriter(args.csv)
@@ -73,10 +77,10 @@ def main():
         for name in args.formats.split(","):
             prog, lay, leaves = _layout(name, K, N)
             want = pm.decode_weight(leaves, lay, K, N, torch.bfloat16)  # the shipped config: the same bits expected
-            for cfg in CONFIGS:
+            for cfg in configs:
                 if not pm.fits(lay, cfg):
                     continue
-                for lname in ("NN", "TN"):
+                for lname in args.layouts.split(","):
                     w = torch.full((K, N), float("nan"), device="cuda", dtype=torch.bfloat16) if lname == "NN" else \
                         torch.full((N, K), float("nan"), device="cuda", dtype=torch.bfloat16).t()
                     try:
