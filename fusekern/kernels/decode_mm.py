@@ -187,7 +187,7 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # MXFP4 on tensor cores, decoded by an in-register lookup table: int4_mma's 128-column tiles, about 4 or 2
         # programs per SM
         out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
-    out.append(pm.PackedDequant())
+    out.append(pm.dequant_config(lay))
     return [c for c in out if pm.fits(lay, c)]
 
 

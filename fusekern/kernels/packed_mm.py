@@ -690,6 +690,15 @@ class PackedDequant:
     num_warps: int = 4
 
 
+def dequant_config(lay: PackedLayout) -> PackedDequant:
+    """The decode-once tile for a layout: long along K where the codes' last dim is K (FP8 and int8 rows,
+    MXFP4 / NVFP4 bytes), where both the loads and the [N, K] writes run along K. H200, M = 2048 shapes of
+    issue 4 (``benchmarks/results/h200/dequant_sweep_tn.csv``): 512 x 16 took FP8 54.5 -> 52.0 and MXFP4
+    48.9 -> 44.7 µs at 8192 x 8192 (4096 x 14336: 48.6 -> 46.3, 43.5 -> 39.8) against 64 x 128, and was
+    13-20% slower on GPTQ's [K/8, N] words, which keep 64 x 128."""
+    return PackedDequant(512, 16, 4) if lay.code_dims and lay.code_dims[-1] == "k" else PackedDequant()
+
+
 def fits(lay: PackedLayout, cfg) -> bool:
     """Can ``cfg``'s tile read this layout? The tile must hold whole words, and a word's values must
     share one scale group (the GEMV scales per word)."""
