@@ -151,6 +151,44 @@ def test_tables_built_in_the_decode_travel_in_the_program(name):
     assert check.errors[0] <= TOL[torch.bfloat16]
 
 
+class _NVFP4Linear(torch.nn.Module):
+    """NVFP4 weights held as parameters."""
+
+    def __init__(self, K, N):
+        super().__init__()
+        for name, t in zip(("codes", "s_block", "s_global"), BY_NAME["nvfp4"].make(K, N, 16, "cpu")):
+            self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+
+    def forward(self, x):
+        return BY_NAME["nvfp4"].fn(x, self.codes, self.s_block, self.s_global)
+
+
+def test_lookup_tables_travel_in_the_program_under_freezing():
+    """With inductor's ``freezing`` its constant folding turns the user's ``lift_fresh_copy`` of the E2M1
+    literal into a plain constant: the table is still embedded (the decode looks values up in it), and the
+    per-tensor scale stays an argument of the op (a value per layer would give every layer its own program)."""
+    torch.manual_seed(4)
+    model = _NVFP4Linear(256, 128)
+    with torch.no_grad():
+        check = assert_compiled(model, (torch.randn(3, 256, dtype=torch.bfloat16),), fired={"decode_matmul": 1},
+                                options={**ONLY_STRUCTURAL, "freezing": True})
+    call = next(line for g in check.graphs for line in g.splitlines() if "fusekern.decode_mm" in line)
+    assert '["float32",[16],[1],[0.0,0.5,1.0,1.5,2.0,3.0,4.0,6.0,-0.0,' in call, call[:600]
+    assert '["float32",[1],[1]]' in call, call[:600]  # the global scale: no values
+
+
+def test_constant_tensors_tell_signed_zeros_apart():
+    """Tables that differ only in the sign of a zero get their own tensors (0.0 == -0.0 as floats); equal
+    tables with NaN share one."""
+    from fusekern.patterns.decode.program import Leaf, constant_tensor
+
+    plus, minus = Leaf(torch.float32, (2,), (1,), (0.0, 1.0)), Leaf(torch.float32, (2,), (1,), (-0.0, 1.0))
+    a, b = constant_tensor(plus, "cpu"), constant_tensor(minus, "cpu")
+    assert not torch.signbit(a[0]) and torch.signbit(b[0])
+    nan = Leaf(torch.float32, (2,), (1,), (float("nan"), 1.0))
+    assert constant_tensor(nan, "cpu") is constant_tensor(Leaf(torch.float32, (2,), (1,), (float("nan"), 1.0)), "cpu")
+
+
 def test_program_constants_round_trip_and_bind():
     """``with_constants`` embeds a table by value; the text round-trips; ``bind`` takes either every leaf or
     the inputs only (then one tensor per table and device); a wrong count is a clear error."""

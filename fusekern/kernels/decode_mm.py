@@ -971,7 +971,7 @@ def aot_builds():
 def decode_mm_reference(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch in float64: decode the whole weight (kernel semantics), then matmul."""
     prog = DecodeProgram.from_text(text)
-    w = prog.evaluate(leaves).to(torch.float64)
+    w = prog.evaluate(prog.bind(leaves, x.device)).to(torch.float64)
     out = x.to(torch.float64) @ w
     if bias is not None:
         out = out + bias.to(torch.float64)

@@ -656,7 +656,7 @@ def packed_decode_kernel(
     if HAS_GLOBAL:
         v = v * tl.load(g_ptr).to(tl.float32)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    dst = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn
+    dst = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn
     tl.store(dst, v.to(w_ptr.dtype.element_ty), mask=mask)
 
 
@@ -1039,9 +1039,9 @@ def aot_builds():
                 common = dict(q_ptr=qt, s_ptr=st, z_ptr=zt, g_ptr="*fp32", N=N, K=K, sqk=N if lay.code_dims[0] == "k" else 1,
                               sqn=1 if lay.code_dims[0] == "k" else kw, ssk=ssk, ssn=ssn, szk=szk, szn=szn)
                 if isinstance(cfg, PackedDequant):
-                    args = dict(w_ptr="*bf16", KW=kw, stride_wk=N, stride_wn=1, **common)
+                    args = dict(w_ptr="*bf16", KW=kw, stride_wk=1, stride_wn=K, **common)  # ([N, K]: decode_weight)
                     builds.append(TritonBuild("packed_decode", f"{name} BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N} "
-                                              f"w{cfg.num_warps} [{K}x{N}]", packed_decode_kernel, args,
+                                              f"w{cfg.num_warps} [{N}x{K}]", packed_decode_kernel, args,
                                               dict(consts, P=lay.per_word, ORDER=_encode(lay.order),
                                                    PACK_N=lay.pack_axis == "N", BLOCK_K=cfg.BLOCK_K,
                                                    BLOCK_N=cfg.BLOCK_N), cfg.num_warps, 1))

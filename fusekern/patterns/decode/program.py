@@ -131,6 +131,11 @@ class DecodeProgram:
         """Indices of the leaves passed to the op (all but the embedded constants)."""
         return [i for i, l in enumerate(self.leaves) if l.values is None]
 
+    def lookups(self) -> set[int]:
+        """Leaves read at an index computed from data (lookup tables: E2M1 values indexed by the codes)."""
+        return {ins.args[0] for ins in self.instrs
+                if ins.op == "load" and any(isinstance(a, Ref) for a in ins.args[1:])}
+
     def with_constants(self, constants: dict) -> "DecodeProgram":
         """This program with the leaves in ``constants`` (index -> a small contiguous CPU tensor of the
         leaf's dtype and shape) embedded by value."""
@@ -272,24 +277,34 @@ def _parse(text: str) -> DecodeProgram:
     return DecodeProgram(leaves, instrs, doc["out"], k, n, batch)
 
 
-_CONSTANTS: dict = {}  # (dtype, shape, values, device) -> the tensor: a few tables per process
+_CONSTANTS: dict = {}  # (dtype, shape, exact values, device) -> the tensor: a few tables per process
+
+
+def _exact(values: tuple) -> tuple:
+    """``values`` as a key that tells -0.0 from 0.0 and matches NaN with NaN (float equality does neither)."""
+    return tuple(v.hex() if isinstance(v, float) else v for v in values)
 
 
 def constant_tensor(leaf: Leaf, device) -> torch.Tensor:
     """The embedded constant ``leaf`` as a tensor on ``device``: the same tensor object on every call.
 
-    Made on first use, which copies from the host: a program's first call must not be inside a CUDA
-    graph capture (inductor's CUDA graphs warm up first, and the op's other per-shape work needs that
-    too)."""
+    Made on first use, which copies from the host, outside any CUDA graph memory pool (``lasting``): a
+    program's first call must not be inside a CUDA graph capture (inductor's CUDA graphs warm up first, and
+    the op's other per-shape work needs that too)."""
+    from fusekern.kernels.lasting import lasting
+
     device = torch.device(device)
-    key = (leaf.dtype, leaf.shape, leaf.values, device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (leaf.dtype, leaf.shape, _exact(leaf.values), device)
     t = _CONSTANTS.get(key)
     if t is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode program constants are made on a call before CUDA graph capture; "
                                "run the compiled function once before capturing it")
         host = torch.tensor(leaf.values, dtype=torch.float64 if leaf.dtype.is_floating_point else torch.int64)
-        t = _CONSTANTS[key] = host.to(leaf.dtype).reshape(leaf.shape).to(device)
+        host = host.to(leaf.dtype).reshape(leaf.shape)
+        t = _CONSTANTS[key] = lasting(lambda: host.to(device), device)
     return t
 
 

@@ -97,9 +97,16 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     constants = _constants(graph, cone)
     fmt = recognize(prog, constants)
     layout = derive_layout(prog, fmt, constants)
-    # Small constant tables travel inside the program (the op keeps one tensor of each): passed as graph
-    # values they would arrive as a fresh copy every call (below), a launch and a miss in the op's caches.
-    embedded = {i: t for i, t in constants.items() if t.is_contiguous() and tuple(t.stride()) == prog.leaves[i].stride}
+    # Small tables the user's code builds every call (``torch.tensor(...)``: a constant the graph copies with
+    # lift_fresh_copy) and constant lookup tables travel inside the program, and the op keeps one tensor of
+    # each: passed as graph values they would arrive as a fresh copy every call (below), a launch and a miss in
+    # the op's caches. Other small constants (parameters under inductor's freezing: per-tensor scales) stay
+    # arguments, so every layer keeps one program text, one compile and one tuning. (Freezing folds the
+    # user's lift_fresh_copy away: its lookup tables are still recognised as such.)
+    lookups = prog.lookups()
+    embedded = {i: t for i, t in constants.items() if t.is_contiguous() and tuple(t.stride()) == prog.leaves[i].stride
+                and (i in lookups or any(u.target == aten.lift_fresh_copy.default and not u.meta.get("fusekern_lifted")
+                                         for u in cone.leaves[i].users))}
     prog = prog.with_constants(embedded)
     mode = _val(act).fake_mode
     leaves = []
@@ -111,6 +118,7 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
                 # A graph constant: its meta value is real; inductor lowers the op with fake tensors
                 # (and rejects the real one), so pass a lifted copy, as the user's graph did.
                 lifted = graph.call_function(aten.lift_fresh_copy.default, (leaf,))
+                lifted.meta["fusekern_lifted"] = True  # (not the user's: the leaf is not a per-call literal)
                 lifted.meta["val"] = mode.from_tensor(_val(leaf)) if not _is_fake(_val(leaf)) else _val(leaf)
                 leaf = lifted
             leaves.append(leaf)
