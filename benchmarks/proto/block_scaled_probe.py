@@ -13,7 +13,9 @@ and only say what a piece costs):
 - ``no_fold`` (wrong): the fragments are never folded (one register kept, so the MMAs stay);
 - ``half_fold`` (wrong): half of each fragment is folded: is the cost linear in the FFMAs?
 - ``no_scale_loads`` (wrong): scales are constants, no global loads in the loop;
-- ``rowwise_128x128`` / ``rowwise_128x256``: the rowwise kernel at both tiles, same operands.
+- ``rowwise_128x128`` / ``rowwise_128x256``: the rowwise kernel at both tiles, same operands;
+- ``base_ffma_yield``: the shipped kernel with its fold's FFMAs edited to let warps yield (``ffma_yield.py``,
+  not measured yet), checked bit for bit against ``base``.
 
 Every variant runs in a CUDA graph (``do_bench_cudagraph``, median); the right ones are checked against a
 float32 reference.
@@ -101,9 +103,19 @@ def main():
              ref, None) for name, (cls, right) in VARIANTS.items()]
     runs += [(f"rowwise_{tm}x{tn}", Base, True, lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16), ref_row,
               (tm, tn)) for tm, tn in ((128, 128), (128, 256))]
+    # last: every cubin loaded from here on has its long FFMA runs edited to let warps yield (ffma_yield.py)
+    runs += [("base_ffma_yield", Base, True, runs[0][3], ref, None)]
+    base_out = None
     for name, cls, right, fn, want, tiles in runs:
+        if name == "base_ffma_yield":
+            sys.path.insert(0, "benchmarks/proto")
+            import ffma_yield
+
+            ffma_yield.install()
         _use(cls, tiles)
         out = fn()
+        if name == "base":
+            base_out = out.clone()
         torch.cuda.synchronize()
         err = ((out.float() - want).norm() / want.norm()).item()
         us = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
@@ -111,6 +123,8 @@ def main():
                    tflops=round(flops / us / 1e6, 1), **info)
         if right and err > 2e-2:
             row["note"] = "WRONG"
+        if name == "base_ffma_yield":  # the same instructions: the same bits as the base kernel
+            row["note"] = "bits equal base" if torch.equal(out, base_out) else "DIFFERS FROM BASE"
         print(row, flush=True)
         rows.append(row)
     _use(Base)
