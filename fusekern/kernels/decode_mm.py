@@ -725,7 +725,7 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         raise ValueError(f"decode_mm: x of shape {tuple(x.shape)} does not fit a weight of shape {list(prog.shape)}")
     if x.dtype != prog.dtype:
         raise ValueError(f"decode_mm: x is {x.dtype} but the decoded weight is {prog.dtype}")
-    specs = _leaf_specs(prog, len(leaves))
+    specs = [prog.leaves[i] for i in prog.taken(len(leaves))]
     if not text:
         _check_leaves(x, leaves, specs)
     elif _LEAVES_OK.get((text, x.device), leaves) is None:
@@ -735,18 +735,6 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         _LEAVES_OK.put((text, x.device), leaves, True)
     if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
         raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
-
-
-def _leaf_specs(prog: DecodeProgram, count: int) -> list:
-    """The program's leaves that ``count`` tensors stand for: all of them, or the op's inputs (the program
-    holds its constants)."""
-    if count == len(prog.leaves):
-        return prog.leaves
-    if count == len(prog.inputs):
-        return [prog.leaves[i] for i in prog.inputs]
-    raise ValueError(f"decode_mm: the program reads {len(prog.inputs)} leaves"
-                     + (f" (or {len(prog.leaves)} with its constants)" if len(prog.inputs) < len(prog.leaves) else "")
-                     + f", got {count}")
 
 
 def _check_leaves(x: torch.Tensor, leaves, specs) -> None:

@@ -147,17 +147,25 @@ class DecodeProgram:
             leaves[i] = Leaf(leaf.dtype, leaf.shape, leaf.stride, tuple(t.reshape(-1).tolist()))
         return DecodeProgram(leaves, self.instrs, self.out, self.K, self.N, self.batch, dict(self.meta))
 
+    def taken(self, count: int) -> list[int]:
+        """Indices of the leaves that ``count`` tensors given to the op stand for: all leaves, or only
+        ``inputs`` (the program holds the rest); any other count is a clear error."""
+        if count == len(self.leaves):
+            return list(range(count))
+        inputs = self.inputs
+        if count != len(inputs):
+            raise ValueError(f"decode program reads {len(inputs)} leaves (and {len(self.leaves) - len(inputs)} "
+                             f"constants it holds), got {count}")
+        return inputs
+
     def bind(self, tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """Every leaf's tensor: ``tensors`` are either all leaves or only ``inputs`` (the embedded constants
         then come from ``constant_tensor``, one tensor per value set and device, kept for the process)."""
-        if len(tensors) == len(self.leaves):
+        taken = self.taken(len(tensors))
+        if len(taken) == len(self.leaves):
             return list(tensors)
-        inputs = self.inputs
-        if len(tensors) != len(inputs):
-            raise ValueError(f"decode program reads {len(inputs)} leaves (and {len(self.leaves) - len(inputs)} "
-                             f"constants it holds), got {len(tensors)}")
         out = [None] * len(self.leaves)
-        for i, t in zip(inputs, tensors):
+        for i, t in zip(taken, tensors):
             out[i] = t
         for i, leaf in enumerate(self.leaves):
             if leaf.values is not None:
