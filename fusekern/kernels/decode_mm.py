@@ -43,6 +43,7 @@ from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import fp4_mma as f4
+from fusekern.kernels import fp4_mma_sync as f4s
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
@@ -187,6 +188,10 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # MXFP4 on tensor cores, decoded by an in-register lookup table: int4_mma's 128-column tiles, about 4 or 2
         # programs per SM
         out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
+    if f4s.fits(lay, M, K, x_dtype):
+        # FP4 (MXFP4, NVFP4) up to 16 rows on mma.sync, int4_mma_sync's schedule (64 columns on 4 warps),
+        # about 8 or 4 programs per SM as there
+        out += dict.fromkeys(f4s.Fp4MmaSync(im.split_k_for(N, K, 64, sms, per_sm)) for per_sm in (8, 4))
     out.append(pm.dequant_config(lay))
     return [c for c in out if pm.fits(lay, c)]
 
@@ -783,7 +788,7 @@ def _launch(text: str, cfg: Config, grid, *args, record=None, **kwargs) -> None:
 
 # The configs that read a packed layout: the kernels that take a workspace (their split-K partials), and the
 # weight decoded once for cuBLAS.
-_PACKED_TILES = (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma)
+_PACKED_TILES = (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma, f4s.Fp4MmaSync)
 _PACKED_CONFIGS = _PACKED_TILES + (pm.PackedDequant,)
 
 
