@@ -189,9 +189,12 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # programs per SM
         out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
     if f4s.fits(lay, M, K, x_dtype):
-        # FP4 (MXFP4, NVFP4) up to 16 rows on mma.sync, int4_mma_sync's schedule (64 columns on 4 warps),
-        # about 8 or 4 programs per SM as there
-        out += dict.fromkeys(f4s.Fp4MmaSync(im.split_k_for(N, K, 64, sms, per_sm)) for per_sm in (8, 4))
+        # FP4 (MXFP4, NVFP4) up to 16 rows on mma.sync, int4_mma_sync's schedule (64 columns on 4 warps).
+        # H200 (benchmarks/results/h200/fp4_mma_sync_sweep_*.csv, 2-16 programs per SM, 4 or 8 warps): the
+        # fastest had 4 warps and about 8 or 4 programs per SM, at 9-16 rows also 2 (4096 x 4096: the
+        # split-K partials grow with the rows)
+        out += dict.fromkeys(f4s.Fp4MmaSync(im.split_k_for(N, K, 64, sms, per_sm))
+                             for per_sm in ((8, 4) if M <= 8 else (8, 4, 2)))
     out.append(pm.dequant_config(lay))
     return [c for c in out if pm.fits(lay, c)]
 
