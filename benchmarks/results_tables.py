@@ -316,7 +316,8 @@ def int4_mma_n_vs_before(rows: list[dict]) -> list[str]:
 
 TABLES = {"scaled_mm": scaled_mm, "fp8_kv_attention": fp8_kv_attention, "decode_attention": decode_attention, "w8a16_linear": w8a16_linear, "decode_mm": decode_mm, "sampler": sampler,
           "gemv_sweep": gemv_sweep, "gptq_mma": int4_mma, "greedy_mask": greedy_mask,
-          "decode_mm_shapes": decode_mm_shapes, "int4_mma_tma_sweep": int4_mma_tma_sweep,
+          "decode_mm_shapes": decode_mm_shapes, "decode_mm_shapes_fp4": decode_mm_shapes,
+          "int4_mma_tma_sweep": int4_mma_tma_sweep,
           "decode_mm_lm_head": decode_mm_shapes, "decode_mm_lm_head_2048": decode_mm_autotune,
           "decode_mm_shapes_2048": decode_mm_autotune,
           "e2e_decode": e2e_decode, "int4_mma_m64": int4_mma,

@@ -18,6 +18,7 @@ import torch
 
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import decode_mm_group as dmg
+from fusekern.kernels import fp4_mma_sync as f4s
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
@@ -353,7 +354,9 @@ CPU_CASES = [("gemv", "int4_k_stack", 256, 72, 1, pm.PackedGemv(32, 128, 2, 4), 
              ("dequant", "int4_k_stack", 256, 72, 5, pm.PackedDequant(), True, torch.bfloat16),
              ("generated", "hqq", 256, 72, 5, dm.Config(16, 32, 64, 2, 1, 4, 2), True, torch.float16),
              ("generated_gemv", "fp8_block", 256, 384, 1, dm.Config(1, 64, 64, 1, 1, 4, 2), False, torch.bfloat16),
-             ("decode_once", "nvfp4", 256, 72, 5, dm.DequantConfig(), True, torch.bfloat16)]
+             ("decode_once", "nvfp4", 256, 72, 5, dm.DequantConfig(), True, torch.bfloat16),
+             ("fp4_mma_sync", "nvfp4", 256, 72, 12, f4s.Fp4MmaSync(2), True, torch.bfloat16),  # two row tiles
+             ("fp4_mma_sync", "mxfp4", 256, 64, 1, f4s.Fp4MmaSync(1), False, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("path,fmt,K,N,M,cfg,with_bias,dtype", CPU_CASES, ids=[f"{c[0]}-{c[1]}" for c in CPU_CASES])
@@ -538,7 +541,9 @@ REGISTER_DECODED_CASES = [
     ("awq", 384, 264, 3, imn.Int4MmaN(SPLIT_K=1), True),
     ("int4_k_stack", 4096, 4096, 1, ims.Int4MmaSync(SPLIT_K=8), False),
     ("gptq", 4096, 14336, 8, ims.Int4MmaSync(SPLIT_K=4, GROUPS_PER_WARP=2), True),
-    ("int4_k_stack", 384, 264, 3, ims.Int4MmaSync(SPLIT_K=1, PREFETCH=2), True)]
+    ("int4_k_stack", 384, 264, 3, ims.Int4MmaSync(SPLIT_K=1, PREFETCH=2), True),
+    ("nvfp4", 4096, 4096, 16, f4s.Fp4MmaSync(SPLIT_K=4), True),
+    ("mxfp4", 4096, 14336, 1, f4s.Fp4MmaSync(SPLIT_K=8), False)]
 
 
 @pytest.mark.gpu
