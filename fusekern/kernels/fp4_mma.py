@@ -76,25 +76,39 @@ def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:
 # ----------------------------------------------------------------------------- decode
 
 
-# The lookup tables: byte c of (LO0, LO1) / (HI0, HI1) is the low / high byte of bf16(c-th E2M1 magnitude)
-# 0, 0.5, 1, 1.5 | 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0 | 0x4000, 0x4040, 0x4080, 0x40C0.
+# The lookup tables: byte c of (lo0, lo1) / (hi0, hi1) is the low / high byte of bf16(c-th E2M1 magnitude)
+# 0, 0.5, 1, 1.5 | 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0 | 0x4000, 0x4040, 0x4080, 0x40C0 (shared with
+# ``fp4_mma_sync``, as ``e2m1_pairs_ptx``).
+E2M1_TABLE_PTX = "mov.b32 lo0, 0xC0800000; mov.b32 lo1, 0xC0804000; mov.b32 hi0, 0x3F3F3F00; mov.b32 hi1, 0x40404040; "
+
+
+def e2m1_pairs_ptx(w: str, sc: str, r: tuple[str, str, str, str]) -> str:
+    """PTX that decodes the 8 E2M1 codes of word ``w`` into the bf16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7)
+    (registers ``r``) times the bf16 multiplier ``sc`` (in both halves), through the tables ``E2M1_TABLE_PTX``
+    loads. The caller declares the scratch registers sa, sb, pa, qa, pb, qb, t, lo0, lo1, hi0, hi1 (.b32)."""
+    r0, r1, r2, r3 = r
+    return (
+        # selectors: the magnitudes of nibbles (0, 1, 4, 5) and (2, 3, 6, 7), sign bits cleared
+        f"prmt.b32 sa, {w}, {w}, 0x0020; and.b32 sa, sa, 0x7777; prmt.b32 sb, {w}, {w}, 0x0031; "
+        "and.b32 sb, sb, 0x7777; "
+        "prmt.b32 pa, lo0, lo1, sa; prmt.b32 qa, hi0, hi1, sa; prmt.b32 pb, lo0, lo1, sb; prmt.b32 qb, hi0, hi1, sb; "
+        # bf16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7): low and high bytes interleaved
+        f"prmt.b32 {r0}, pa, qa, 0x6240; prmt.b32 {r1}, pa, qa, 0x7351; "
+        f"prmt.b32 {r2}, pb, qb, 0x6240; prmt.b32 {r3}, pb, qb, 0x7351; "
+        # the sign of nibble i (bit 4 i + 3) to bit 15 / 31 of its pair, then the scale
+        f"shl.b32 t, {w}, 12; lop3.b32 {r0}, {r0}, t, 0x80008000, 0xF8; mul.rn.bf16x2 {r0}, {r0}, {sc}; "
+        f"shl.b32 t, {w}, 8; lop3.b32 {r1}, {r1}, t, 0x80008000, 0xF8; mul.rn.bf16x2 {r1}, {r1}, {sc}; "
+        f"shl.b32 t, {w}, 4; lop3.b32 {r2}, {r2}, t, 0x80008000, 0xF8; mul.rn.bf16x2 {r2}, {r2}, {sc}; "
+        f"lop3.b32 {r3}, {r3}, {w}, 0x80008000, 0xF8; mul.rn.bf16x2 {r3}, {r3}, {sc}; ")
+
+
 _DECODE_ASM = tl.constexpr(
     "{ .reg .b32 sa, sb, pa, qa, pb, qb, r0, r1, r2, r3, t, sc, lo0, lo1, hi0, hi1; .reg .pred z; "
-    "mov.b32 lo0, 0xC0800000; mov.b32 lo1, 0xC0804000; mov.b32 hi0, 0x3F3F3F00; mov.b32 hi1, 0x40404040; "
+    + E2M1_TABLE_PTX
     # the scale: bf16 2 ** (e - 127) in both halves (e = 0: 2 ** -127, a subnormal)
-    "shl.b32 sc, $9, 7; setp.eq.u32 z, $9, 0; selp.b32 sc, 0x40, sc, z; prmt.b32 sc, sc, sc, 0x1010; "
-    # selectors: the magnitudes of nibbles (0, 1, 4, 5) and (2, 3, 6, 7), sign bits cleared
-    "prmt.b32 sa, $8, $8, 0x0020; and.b32 sa, sa, 0x7777; prmt.b32 sb, $8, $8, 0x0031; and.b32 sb, sb, 0x7777; "
-    "prmt.b32 pa, lo0, lo1, sa; prmt.b32 qa, hi0, hi1, sa; prmt.b32 pb, lo0, lo1, sb; prmt.b32 qb, hi0, hi1, sb; "
-    # bf16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7): low and high bytes interleaved
-    "prmt.b32 r0, pa, qa, 0x6240; prmt.b32 r1, pa, qa, 0x7351; "
-    "prmt.b32 r2, pb, qb, 0x6240; prmt.b32 r3, pb, qb, 0x7351; "
-    # the sign of nibble i (bit 4 i + 3) to bit 15 / 31 of its pair, then the scale
-    "shl.b32 t, $8, 12; lop3.b32 r0, r0, t, 0x80008000, 0xF8; mul.rn.bf16x2 r0, r0, sc; "
-    "shl.b32 t, $8, 8; lop3.b32 r1, r1, t, 0x80008000, 0xF8; mul.rn.bf16x2 r1, r1, sc; "
-    "shl.b32 t, $8, 4; lop3.b32 r2, r2, t, 0x80008000, 0xF8; mul.rn.bf16x2 r2, r2, sc; "
-    "lop3.b32 r3, r3, $8, 0x80008000, 0xF8; mul.rn.bf16x2 r3, r3, sc; "
-    "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; mov.b32 {$4, $5}, r2; mov.b32 {$6, $7}, r3; }")  # (a constexpr: jit reads it)
+    + "shl.b32 sc, $9, 7; setp.eq.u32 z, $9, 0; selp.b32 sc, 0x40, sc, z; prmt.b32 sc, sc, sc, 0x1010; "
+    + e2m1_pairs_ptx("$8", "sc", ("r0", "r1", "r2", "r3"))
+    + "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; mov.b32 {$4, $5}, r2; mov.b32 {$6, $7}, r3; }")  # (jit reads it)
 
 
 @triton.jit

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.fp4_mma import _e2m1_scaled
+from fusekern.kernels.fp4_mma import E2M1_TABLE_PTX, _e2m1_scaled, e2m1_pairs_ptx
 from fusekern.kernels.int4_mma import _GROUP, GROUP, check_rows_and_bias, split_buffers
 from fusekern.kernels.int4_mma_sync import (
     _load4, _mma, _partials, _rows, _store, _summed, _thread_index, _x_pairs,
@@ -86,22 +86,10 @@ def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:
 # ----------------------------------------------------------------------------- decode
 
 
-# fp4_mma's lookup table (bytes of bf16 0, 0.5, 1, 1.5 | 2, 3, 4, 6: LO0 / LO1 low bytes, HI0 / HI1 high bytes)
-# without its per-word scale: $4 the word, $5 the bf16 multiplier in both halves; out the pairs (n_s, n_{s+4}).
-_DECODE_ASM = tl.constexpr(
-    "{ .reg .b32 sa, sb, pa, qa, pb, qb, t, lo0, lo1, hi0, hi1; "
-    "mov.b32 lo0, 0xC0800000; mov.b32 lo1, 0xC0804000; mov.b32 hi0, 0x3F3F3F00; mov.b32 hi1, 0x40404040; "
-    # selectors: the magnitudes of nibbles (0, 1, 4, 5) and (2, 3, 6, 7), sign bits cleared
-    "prmt.b32 sa, $4, $4, 0x0020; and.b32 sa, sa, 0x7777; prmt.b32 sb, $4, $4, 0x0031; and.b32 sb, sb, 0x7777; "
-    "prmt.b32 pa, lo0, lo1, sa; prmt.b32 qa, hi0, hi1, sa; prmt.b32 pb, lo0, lo1, sb; prmt.b32 qb, hi0, hi1, sb; "
-    # bf16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7): low and high bytes interleaved
-    "prmt.b32 $0, pa, qa, 0x6240; prmt.b32 $1, pa, qa, 0x7351; "
-    "prmt.b32 $2, pb, qb, 0x6240; prmt.b32 $3, pb, qb, 0x7351; "
-    # the sign of nibble i (bit 4 i + 3) to bit 15 / 31 of its pair, then the scale
-    "shl.b32 t, $4, 12; lop3.b32 $0, $0, t, 0x80008000, 0xF8; mul.rn.bf16x2 $0, $0, $5; "
-    "shl.b32 t, $4, 8; lop3.b32 $1, $1, t, 0x80008000, 0xF8; mul.rn.bf16x2 $1, $1, $5; "
-    "shl.b32 t, $4, 4; lop3.b32 $2, $2, t, 0x80008000, 0xF8; mul.rn.bf16x2 $2, $2, $5; "
-    "lop3.b32 $3, $3, $4, 0x80008000, 0xF8; mul.rn.bf16x2 $3, $3, $5; }")
+# fp4_mma's lookup-table decode without its per-word scale: $4 the word, $5 the bf16 multiplier in both halves; out
+# the pairs (n_s, n_{s+4}).
+_DECODE_ASM = tl.constexpr("{ .reg .b32 sa, sb, pa, qa, pb, qb, t, lo0, lo1, hi0, hi1; " + E2M1_TABLE_PTX
+                           + e2m1_pairs_ptx("$4", "$5", ("$0", "$1", "$2", "$3")) + "}")
 
 
 @triton.jit
