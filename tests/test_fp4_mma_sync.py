@@ -77,9 +77,14 @@ def test_one_hot_rows_read_every_mxfp4_weight_exactly(split_k):
     # eager (decode_zoo.mxfp4): fp32 products, rounded to bf16
     want = (_codes(codes).view(N, -1, 32) * torch.exp2(scales.float() - 127)[..., None]).view(N, K)
     want = want.to(torch.bfloat16).t()
-    for rows in (range(0, 16), range(100, 116), range(240, 256)):
+    for rows in _windows(K):
         got = run(_one_hot_rows(K, rows), leaves, lay, K, N, F(split_k))
         assert torch.equal(got.cpu(), want[list(rows)]), rows
+
+
+def _windows(K):
+    """Every row of W, 16 at a time (one call per 16 rows of x)."""
+    return [range(k, k + 16) for k in range(0, K, 16)]
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -101,9 +106,35 @@ def test_one_hot_rows_read_every_nvfp4_weight_exactly(split_k):
     leaves[lay.glob] = glob.to(DEVICE)
     s = scales.view(torch.float8_e4m3fn).float()
     want = (_codes(codes).view(N, -1, 16) * s[..., None] * glob).view(N, K).to(torch.bfloat16).t()
-    for rows in (range(0, 16), range(120, 136), range(240, 256)):
+    for rows in _windows(K):
         got = run(_one_hot_rows(K, rows), leaves, lay, K, N, F(split_k))
         assert torch.equal(got.cpu(), want[list(rows)]), rows
+
+
+@pytest.mark.parametrize("enc,gk,glob", [("e8m0", 16, False), ("fp8", 32, False), ("fp8", 16, False),
+                                         ("e8m0", 32, True)])
+@pytest.mark.parametrize("N,M", [(3, 12), (20, 9), (1, 1)])
+def test_other_scale_layouts_and_narrow_outputs(enc, gk, glob, N, M):
+    """The layouts ``layout_fits`` accepts beyond MXFP4 and NVFP4 (E8M0 per 16 k, E4M3 per 32, E4M3 without a
+    global scale, E8M0 with one; a float64 or bf16 global), at widths below one MMA's 8 columns."""
+    K = 256
+    _, lay, _, _ = setup(K, 64, 1, fmt="nvfp4" if glob or enc == "fp8" else "mxfp4")
+    lay = dataclasses.replace(lay, scale_enc=enc, group_k=gk, glob=2 if glob else -1)
+    g = torch.Generator().manual_seed(N + M + gk)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    if enc == "e8m0":
+        scales = torch.randint(118, 130, (N, K // gk), dtype=torch.uint8, generator=g)
+    else:
+        scales = (torch.rand(N, K // gk, generator=g) * 4 - 2).to(torch.float8_e4m3fn)
+    leaves = [codes.to(DEVICE), scales.to(DEVICE)]
+    if glob:
+        leaves.append(torch.tensor([0.03], dtype=torch.float64 if N == 3 else torch.bfloat16, device=DEVICE))
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    assert f4s.fits(lay, M, K, torch.bfloat16)
+    for cfg in (F(1), F(2)):
+        got = run(x, leaves, lay, K, N, cfg)
+        want = pm.packed_mm_reference(x, leaves, lay, K, N)
+        assert not got.isnan().any() and rel_err(got.float(), want.float()) < TOL, cfg
 
 
 def test_non_finite_scales_reach_the_output_as_in_eager():
@@ -159,6 +190,11 @@ def test_offered_for_fp4_up_to_16_rows():
         assert not sync(16, x_dtype=torch.float16), fmt  # the MMA reads bf16
     assert not f4s.layout_fits(dataclasses.replace(lay, group_k=64))
     assert not f4s.layout_fits(dataclasses.replace(lay, zero="const", zero_value=1.0))
+    assert not f4s.layout_fits(dataclasses.replace(lay, zero_value=0.5))
+    assert not f4s.layout_fits(dataclasses.replace(lay, order=(1, 0)))
+    assert not f4s.layout_fits(dataclasses.replace(lay, scale_dims=("k", "n")))
+    assert not f4s.layout_fits(dataclasses.replace(lay, group_n=2))
+    assert not f4s.layout_fits(dataclasses.replace(lay, scale_enc="float"))
     for name in ("gptq", "int4_k_stack", "fp8_channel", "awq"):
         assert not f4s.layout_fits(pm.REPORT_LAYOUTS[name][0]), name
 
@@ -183,6 +219,19 @@ def test_bad_input_gets_a_clear_error():
     e5m2[lay.scale] = leaves[lay.scale].float().to(torch.float8_e5m2)  # another fp8: not read as E4M3
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         f4s.fp4_mma_sync(x, e5m2, lay, K, N, cfg)
+    odd = list(leaves)
+    buf = torch.zeros(leaves[lay.code].numel() + 2, dtype=torch.uint8, device=DEVICE)
+    odd[lay.code] = buf[2:].view(leaves[lay.code].shape)  # 2-byte aligned: not readable as words
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        f4s.fp4_mma_sync(x, odd, lay, K, N, cfg)
+    shaped = list(leaves)
+    shaped[lay.scale] = leaves[lay.scale][:, :-1].contiguous()
+    with pytest.raises(ValueError, match="contiguous"):
+        f4s.fp4_mma_sync(x, shaped, lay, K, N, cfg)
+    ints = list(leaves)
+    ints[lay.glob] = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="global scale"):
+        f4s.fp4_mma_sync(x, ints, lay, K, N, cfg)
     two = list(leaves)
     two[lay.glob] = torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match="global scale"):

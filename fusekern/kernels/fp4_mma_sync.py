@@ -25,6 +25,8 @@ per tile, and NVFP4 had only the ``tl.dot`` tile at 2-64 rows. This is ``int4_mm
   deterministic), as ``int4_mma_sync`` does.
 Triton's CPU interpreter cannot run inline PTX: there ``ASM`` is False, the decode runs in fp32 and the warp's
 MMA is summed out by reshapes (``int4_mma_sync._mma``).
+Where a weight overflows bf16 (E8M0 255 is inf; 253-254 times large codes), the result follows eager's bf16 weight,
+not the float64 ``PackedLayout.weight_at``; a float64 global scale is applied in fp32.
 H200, weight warm (``benchmarks/results/h200/fp4_mma_sync_sweep_*.csv``): 16 rows at N = K = 8192 in 30.5 us for
 NVFP4 (the tl.dot tile 64.8) and 29.1 for MXFP4 (``fp4_mma`` 30.8), 3.4x the floor; one row about as fast as the
 GEMV (18.2 against 18.6 us for MXFP4, 19.8 against 17.9 for NVFP4).
@@ -88,8 +90,10 @@ def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:
 
 # fp4_mma's lookup-table decode without its per-word scale: $4 the word, $5 the bf16 multiplier in both halves; out
 # the pairs (n_s, n_{s+4}).
-_DECODE_ASM = tl.constexpr("{ .reg .b32 sa, sb, pa, qa, pb, qb, t, lo0, lo1, hi0, hi1; " + E2M1_TABLE_PTX
-                           + e2m1_pairs_ptx("$4", "$5", ("$0", "$1", "$2", "$3")) + "}")
+# (into scratch registers first: the outputs are written only after the last read of the inputs)
+_DECODE_ASM = tl.constexpr("{ .reg .b32 sa, sb, pa, qa, pb, qb, r0, r1, r2, r3, t, lo0, lo1, hi0, hi1; "
+                           + E2M1_TABLE_PTX + e2m1_pairs_ptx("$4", "$5", ("r0", "r1", "r2", "r3"))
+                           + "mov.b32 $0, r0; mov.b32 $1, r1; mov.b32 $2, r2; mov.b32 $3, r3; }")
 
 
 @triton.jit
@@ -260,7 +264,8 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp4Mm
     check_rows_and_bias("fp4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.num_warps not in (1, 2, 4, 8):
         raise ValueError(f"fp4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
-    if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
+    key = (lay, K, N, x.device)  # (the device too: the checks below compare the leaves' devices with x's)
+    if _LEAVES_OK.get(key, leaves) is None:  # the same weight tensors come back every token
         codes, scales = leaves[lay.code], leaves[lay.scale]
         sdt = (torch.float8_e4m3fn,) if lay.scale_enc == "fp8" else (torch.uint8,)
         for t, shape, dts in ((codes, (N, K // 2), (torch.uint8,)), (scales, (N, K // lay.group_k), sdt)):
@@ -277,7 +282,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp4Mm
         for t in (codes, scales):
             if t.device != x.device:
                 raise ValueError(f"fp4_mma_sync: the leaves must be on {x.device}, got {t.device}")
-        _LEAVES_OK.put((lay, K, N), leaves, True)
+        _LEAVES_OK.put(key, leaves, True)
 
 
 def fp4_mma_sync(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp4MmaSync, bias=None,
