@@ -62,10 +62,15 @@ def layout_fits(lay: PackedLayout) -> bool:
     """Can the kernel read this layout exactly? MXFP4: E2M1 codes two per byte along K (low nibble first,
     ``[N, K/2]``), E8M0 scales ``[N, K/32]``, no zero point, no global scale. (NVFP4's E4M3 scales per 16 and
     its global scale, and any other layout, keep the other kernels.)"""
+    return e2m1_bytes_along_k(lay) and lay.scale_enc == "e8m0" and lay.group_k == MX_BLOCK and lay.glob < 0
+
+
+def e2m1_bytes_along_k(lay: PackedLayout) -> bool:
+    """E2M1 codes two per byte along K (low nibble first, ``[N, K/2]``), scales ``[N, K/group_k]`` per column,
+    no zero point: what the FP4 kernels read (each then asks for its scale encodings and block sizes)."""
     return (lay.code_dims == ("n", "k") and lay.bits == 4 and lay.per_word == 2 and lay.pack_axis == "K"
             and tuple(lay.order) == (0, 1) and lay.value == "e2m1" and lay.scale >= 0
-            and lay.scale_dims == ("n", "k") and lay.scale_enc == "e8m0" and lay.group_k == MX_BLOCK
-            and lay.group_n == 1 and lay.zero == "" and float(lay.zero_value) == 0.0 and lay.glob < 0)
+            and lay.scale_dims == ("n", "k") and lay.group_n == 1 and lay.zero == "" and float(lay.zero_value) == 0.0)
 
 
 def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:

@@ -44,11 +44,9 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
-from fusekern.kernels.fp4_mma import E2M1_TABLE_PTX, _e2m1_scaled, e2m1_pairs_ptx
+from fusekern.kernels.fp4_mma import E2M1_TABLE_PTX, _e2m1_scaled, e2m1_bytes_along_k, e2m1_pairs_ptx
 from fusekern.kernels.int4_mma import _GROUP, GROUP, check_rows_and_bias, split_buffers
-from fusekern.kernels.int4_mma_sync import (
-    _load4, _mma, _partials, _rows, _store, _summed, _thread_index, _x_pairs,
-)
+from fusekern.kernels.int4_mma_sync import _load4, _mma, _rows, _thread_index, _x_rows, finish
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.patterns.decode.layout import PackedLayout
@@ -74,10 +72,7 @@ def layout_fits(lay: PackedLayout) -> bool:
     """Can the kernel read this layout exactly? E2M1 codes two per byte along K (low nibble first, ``[N, K/2]``),
     no zero point, scales ``[N, K/GK]`` per 16 or 32 k and column: E8M0 or fp8 (E4M3, checked on the leaf),
     an optional one-element global scale. MXFP4 and NVFP4 are two of these."""
-    return (lay.code_dims == ("n", "k") and lay.bits == 4 and lay.per_word == 2 and lay.pack_axis == "K"
-            and tuple(lay.order) == (0, 1) and lay.value == "e2m1" and lay.scale >= 0
-            and lay.scale_dims == ("n", "k") and lay.scale_enc in ("e8m0", "fp8") and lay.group_k in (16, 32)
-            and lay.group_n == 1 and lay.zero == "" and float(lay.zero_value) == 0.0)
+    return e2m1_bytes_along_k(lay) and lay.scale_enc in ("e8m0", "fp8") and lay.group_k in (16, 32)
 
 
 def fits(lay: PackedLayout, M: int, K: int, x_dtype=None) -> bool:
@@ -158,16 +153,6 @@ def _multipliers(sp, GK: tl.constexpr, E4M3: tl.constexpr):
         return m, m
 
 
-@triton.jit
-def _x_rows(xq_ptr, t, ASM: tl.constexpr):
-    """Group t's 32 k of this lane's x row (16 bf16 pairs, 16-byte loads) as the B registers of its MMAs."""
-    xa = _load4(xq_ptr + t * 64, True, 1, ASM)
-    xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
-    xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
-    xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
-    return _x_pairs(xa + xb + xc + xd, ASM)
-
-
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -229,25 +214,8 @@ def fp4_mma_sync_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, c
         b0, b1, b2, b3 = b0 * gs, b1 * gs, b2 * gs, b3 * gs
     # this lane's outputs: rows 2c, 2c + 1 (and 8 + 2c, 9 + 2c) of x, columns n0, n1
     m0 = 2 * c
-    m1 = m0 + 1
-    if SPLIT_K > 1:
-        _partials(ws_ptr, a0, a1, a2, a3, pid_k, m0, m1, n0, n1, M, N)
-        if ROW_TILES == 2:
-            _partials(ws_ptr, b0, b1, b2, b3, pid_k, m0 + 8, m1 + 8, n0, n1, M, N)
-        tl.debug_barrier()  # every thread's partials are written before the count (release below)
-        cnt = cnt_ptr + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            a0, a1, a2, a3 = _summed(ws_ptr, m0, m1, n0, n1, M, N, SPLIT_K)
-            if ROW_TILES == 2:
-                b0, b1, b2, b3 = _summed(ws_ptr, m0 + 8, m1 + 8, n0, n1, M, N, SPLIT_K)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            _store(out_ptr, bias_ptr, a0, a1, a2, a3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-            if ROW_TILES == 2:
-                _store(out_ptr, bias_ptr, b0, b1, b2, b3, m0 + 8, m1 + 8, n0, n1, M, N, HAS_BIAS, ASM)
-    else:
-        _store(out_ptr, bias_ptr, a0, a1, a2, a3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-        if ROW_TILES == 2:
-            _store(out_ptr, bias_ptr, b0, b1, b2, b3, m0 + 8, m1 + 8, n0, n1, M, N, HAS_BIAS, ASM)
+    finish(out_ptr, bias_ptr, ws_ptr, cnt_ptr + pid_n, pid_k, a0, a1, a2, a3, m0, n0, n1, b0, b1, b2, b3, m0 + 8,
+           n0, n1, M, N, ROW_TILES == 2, HAS_BIAS, SPLIT_K, ASM)
 
 
 # ----------------------------------------------------------------------------- launcher

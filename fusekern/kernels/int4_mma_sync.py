@@ -210,6 +210,16 @@ def _x_pairs(xq, ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_rows(xq_ptr, t, ASM: tl.constexpr):
+    """Group t's 32 k of this lane's x row (16 bf16 pairs, four 16-byte loads) as the B registers of its 8 MMAs."""
+    xa = _load4(xq_ptr + t * 64, True, 1, ASM)
+    xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
+    xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
+    xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
+    return _x_pairs(xa + xb + xc + xd, ASM)
+
+
+@triton.jit
 def _sum_x(xs, ASM: tl.constexpr):
     """``sum x`` over the group per x row, in the D layout (an MMA with A all ones)."""
     one = tl.full(xs[0].shape, 0x3F803F80, tl.int32)
@@ -360,11 +370,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
             y0, y1, y2, y3 = ny0, ny1, ny2, ny3
             nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
             ny0, ny1, ny2, ny3 = _load4(wp3 + tn * GW, VEC, SQK, ASM, True)
-        xa = _load4(xq_ptr + t * 64, True, 1, ASM)
-        xb = _load4(xq_ptr + t * 64 + 4, True, 1, ASM)
-        xc = _load4(xq_ptr + t * 64 + 8, True, 1, ASM)
-        xd = _load4(xq_ptr + t * 64 + 12, True, 1, ASM)
-        xs = _x_pairs(xa + xb + xc + xd, ASM)
+        xs = _x_rows(xq_ptr, t, ASM)
         sz01 = _scale_zero(s_ptr, z_ptr, t, ln0, ln1, ZMODE, C, SZK, SZN, SSK, SSN)
         sx0, sx1 = _sum_x(xs, ASM)
         acc0, acc1, acc2, acc3 = _folded(acc0, acc1, acc2, acc3,
@@ -376,25 +382,37 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                                              sz23)
     # this lane's outputs: rows m = 2c, 2c + 1 of x, columns n0, n1 (and n2, n3)
     m0 = 2 * c
-    m1 = m0 + 1
-    if SPLIT_K > 1:
-        _partials(ws_ptr, acc0, acc1, acc2, acc3, pid_k, m0, m1, n0, n1, M, N)
-        if GROUPS_PER_WARP == 2:
-            _partials(ws_ptr, acc4, acc5, acc6, acc7, pid_k, m0, m1, n2, n3, M, N)
-        tl.debug_barrier()  # every thread's partials are written before the count (release below)
-        cnt = cnt_ptr + pid_cnt
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            acc0, acc1, acc2, acc3 = _summed(ws_ptr, m0, m1, n0, n1, M, N, SPLIT_K)
-            if GROUPS_PER_WARP == 2:
-                acc4, acc5, acc6, acc7 = _summed(ws_ptr, m0, m1, n2, n3, M, N, SPLIT_K)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            _store(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-            if GROUPS_PER_WARP == 2:
-                _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m0, m1, n2, n3, M, N, HAS_BIAS, ASM)
+    if GROUPS_PER_WARP == 2:
+        finish(out_ptr, bias_ptr, ws_ptr, cnt_ptr + pid_cnt, pid_k, acc0, acc1, acc2, acc3, m0, n0, n1,
+               acc4, acc5, acc6, acc7, m0, n2, n3, M, N, True, HAS_BIAS, SPLIT_K, ASM)
     else:
-        _store(out_ptr, bias_ptr, acc0, acc1, acc2, acc3, m0, m1, n0, n1, M, N, HAS_BIAS, ASM)
-        if GROUPS_PER_WARP == 2:
-            _store(out_ptr, bias_ptr, acc4, acc5, acc6, acc7, m0, m1, n2, n3, M, N, HAS_BIAS, ASM)
+        finish(out_ptr, bias_ptr, ws_ptr, cnt_ptr + pid_cnt, pid_k, acc0, acc1, acc2, acc3, m0, n0, n1,
+               acc0, acc1, acc2, acc3, m0, n0, n1, M, N, False, HAS_BIAS, SPLIT_K, ASM)
+
+
+@triton.jit
+def finish(out_ptr, bias_ptr, ws_ptr, cnt, pid_k, a0, a1, a2, a3, ma, na0, na1, b0, b1, b2, b3, mb, nb0, nb1, M, N,
+           TWO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
+    """A lane's outputs to out [M, N]: tile a (rows ma, ma + 1 by columns na0, na1) and, with TWO, tile b.
+    Split over K: the fp32 partials, then the program that counts itself last at ``cnt`` (its column tile's
+    counter) sums them in split order, resets the counter and stores (also ``fp4_mma_sync``'s epilogue)."""
+    if SPLIT_K > 1:
+        _partials(ws_ptr, a0, a1, a2, a3, pid_k, ma, ma + 1, na0, na1, M, N)
+        if TWO:
+            _partials(ws_ptr, b0, b1, b2, b3, pid_k, mb, mb + 1, nb0, nb1, M, N)
+        tl.debug_barrier()  # every thread's partials are written before the count (release below)
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            a0, a1, a2, a3 = _summed(ws_ptr, ma, ma + 1, na0, na1, M, N, SPLIT_K)
+            if TWO:
+                b0, b1, b2, b3 = _summed(ws_ptr, mb, mb + 1, nb0, nb1, M, N, SPLIT_K)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _store(out_ptr, bias_ptr, a0, a1, a2, a3, ma, ma + 1, na0, na1, M, N, HAS_BIAS, ASM)
+            if TWO:
+                _store(out_ptr, bias_ptr, b0, b1, b2, b3, mb, mb + 1, nb0, nb1, M, N, HAS_BIAS, ASM)
+    else:
+        _store(out_ptr, bias_ptr, a0, a1, a2, a3, ma, ma + 1, na0, na1, M, N, HAS_BIAS, ASM)
+        if TWO:
+            _store(out_ptr, bias_ptr, b0, b1, b2, b3, mb, mb + 1, nb0, nb1, M, N, HAS_BIAS, ASM)
 
 
 @triton.jit
