@@ -22,6 +22,8 @@ import torch
 import triton
 from triton import knobs
 
+from fusekern.kernels.split_counters import stream_of
+
 
 class _Address:
     """A tensor descriptor's base, reduced to what the launcher reads of it: its address."""
@@ -132,6 +134,7 @@ def launch(jit_fn, grid, args: tuple, kwargs: dict, record: bool) -> Launch | No
 
 def x_key(x: torch.Tensor) -> tuple:
     """What a recorded launch assumed of the activation (the JIT specializes on shape-derived ints,
-    strides and 16-byte alignment), and the device the kernel was loaded on."""
+    strides and 16-byte alignment), the device the kernel was loaded on, and the stream whose split-K
+    counters it holds (``split_counters``: one buffer per stream, so that streams may run at once)."""
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
-            torch.cuda.current_device() if x.is_cuda else -1)
+            torch.cuda.current_device() if x.is_cuda else -1, stream_of(x.device))
