@@ -29,24 +29,32 @@ def test_gpu_each_stream_has_its_own_counters():
     assert sc.split_counters(dev, 8) is main
 
 
+def on_two_streams_at_once(calls: list) -> list:
+    """The calls' results, made alternately on two side streams that first sleep on the GPU for ~25 ms: the
+    host queues every call meanwhile, so the two streams' kernels are ready together and share the SMs."""
+    torch.cuda.synchronize()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # GPU cycles
+    outs = []
+    for i, call in enumerate(calls):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(call())
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [ims.Int4MmaSync(SPLIT_K=4), pm.PackedGemv(64, 128, 4, 4)], ids=["mma_sync", "gemv"])
 def test_gpu_split_kernels_on_two_streams_at_once(cfg):
-    """Small grids (32 column tiles x 4 splits) launched back to back on two streams run on the SMs at the
-    same time; every output must be the one the same call gives alone (the reduction is deterministic)."""
+    """Small grids (32 column tiles x 4 splits) queued on two streams run on the SMs at the same time; every
+    output must be the one the same call gives alone (the reduction is deterministic)."""
     K, N, calls = 4096, 2048, 48
     _, lay, leaves, x = setup(K, N, 1, seed=7, fmt="gptq")
     xs = [torch.randn_like(x) for _ in range(calls)]
     alone = [pm.packed_mm(xi, leaves, lay, K, N, cfg) for xi in xs]
-    torch.cuda.synchronize()
-    streams = (torch.cuda.Stream(), torch.cuda.Stream())
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    outs = [None] * calls
-    for i, xi in enumerate(xs):
-        with torch.cuda.stream(streams[i % 2]):
-            outs[i] = pm.packed_mm(xi, leaves, lay, K, N, cfg)
-    torch.cuda.synchronize()
+    outs = on_two_streams_at_once([lambda xi=xi: pm.packed_mm(xi, leaves, lay, K, N, cfg) for xi in xs])
     bad = [i for i in range(calls) if not torch.equal(outs[i], alone[i])]
     assert not bad, f"{len(bad)} of {calls} outputs differ from the same call alone: {bad[:8]}"
 
@@ -64,18 +72,10 @@ def test_gpu_op_replays_per_stream_and_runs_on_two_at_once():
     text, leaves, layout = _program("int4_k_stack", K, N, x, 3)
     dm.decode_mm(x, leaves, text, None, layout)
     assert dm._REPLAYS.get((text, layout, False, *replay.x_key(x)), leaves) is not None
-    streams = (torch.cuda.Stream(), torch.cuda.Stream())
-    with torch.cuda.stream(streams[0]):
+    with torch.cuda.stream(torch.cuda.Stream()):
         assert dm._REPLAYS.get((text, layout, False, *replay.x_key(x)), leaves) is None
     xs = [torch.randn_like(x) for _ in range(calls)]
     alone = [dm.decode_mm(xi, leaves, text, None, layout) for xi in xs]
-    torch.cuda.synchronize()
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    outs = [None] * calls
-    for i, xi in enumerate(xs):
-        with torch.cuda.stream(streams[i % 2]):
-            outs[i] = dm.decode_mm(xi, leaves, text, None, layout)
-    torch.cuda.synchronize()
+    outs = on_two_streams_at_once([lambda xi=xi: dm.decode_mm(xi, leaves, text, None, layout) for xi in xs])
     bad = [i for i in range(calls) if not torch.equal(outs[i], alone[i])]
     assert not bad, f"{len(bad)} of {calls} outputs differ from the same call alone: {bad[:8]}"

@@ -51,6 +51,8 @@ class _Recorder:
 def configs(lay, M: int) -> list:
     """The configs the kernel tests run (tests/test_packed_mm.py imports them from here)."""
     out = [pm.PackedGemv(32, 64, 1, 4), pm.PackedGemv(64, 128, 3, 4, vec_k=True), pm.PackedDequant(64, 64)]
+    if lay.bits == 8:  # the dispatcher's 256-deep tile for 1-byte codes (a K tail, groups narrower than it)
+        out.append(pm.PackedGemv(64, 256, 2, 8, vec_k=True))
     out += [c for c in [pm.dequant_config(lay)] if c not in out]  # the dispatcher's decode-once tile
     if M > 1:
         out += [pm.PackedDot(16, 64, 64, 2, 4), pm.PackedDot(32, 32, 128, 1, 4)]
