@@ -16,7 +16,7 @@ from fusekern.kernels.remat import REMAT_MODES, remat_flags
 KERNEL_MODULES = ("fusekern.kernels.w8a16_linear", "fusekern.kernels.sampler", "fusekern.kernels.decode_mm",
                   "fusekern.kernels.packed_mm", "fusekern.kernels.packed_gemv_group", "fusekern.kernels.int4_mma",
                   "fusekern.kernels.int4_mma_n", "fusekern.kernels.int4_mma_sync", "fusekern.kernels.fp4_mma",
-                  "fusekern.kernels.fp4_mma_sync", "fusekern.kernels.masked_argmax", "fusekern.kernels.scaled_mm",
+                  "fusekern.kernels.fp4_mma_sync", "fusekern.kernels.fp8_mma", "fusekern.kernels.masked_argmax", "fusekern.kernels.scaled_mm",
                   "fusekern.kernels.fp8_kv_attention", "fusekern.kernels.decode_attention")
 
 

@@ -44,6 +44,7 @@ from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import fp4_mma as f4
 from fusekern.kernels import fp4_mma_sync as f4s
+from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
@@ -193,6 +194,12 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # MXFP4 on tensor cores, decoded by an in-register lookup table: int4_mma's 128-column tiles, about 4 or 2
         # programs per SM
         out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
+    if 1 < M and f8.fits(lay, M, K, x_dtype):
+        # FP8 (e4m3) on tensor cores in f16, 2-16 rows (one row: the GEMV is faster). H200, M = 16
+        # (benchmarks/results/h200/fp8_dot_probe*.csv): 64-column tiles at about 2 programs per SM and 128-column
+        # ones at about 1 were the fastest on issue 4's shapes, 4-11% faster than the generic tile
+        out += dict.fromkeys(f8.Fp8Mma(bn, 128, _split_k(cdiv(N, bn), cdiv(K, 128), sms, per_sm))
+                             for bn, per_sm in ((64, 2), (128, 1)))
     if f4s.fits(lay, M, K, x_dtype):
         # FP4 (MXFP4, NVFP4) up to 16 rows on mma.sync, int4_mma_sync's schedule (64 columns on 4 warps).
         # H200 (benchmarks/results/h200/fp4_mma_sync_sweep_*.csv, 2-16 programs per SM, 4 or 8 warps): the
@@ -796,7 +803,8 @@ def _launch(text: str, cfg: Config, grid, *args, record=None, **kwargs) -> None:
 
 # The configs that read a packed layout: the kernels that take a workspace (their split-K partials), and the
 # weight decoded once for cuBLAS.
-_PACKED_TILES = (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma, f4s.Fp4MmaSync)
+_PACKED_TILES = (pm.PackedGemv, pm.PackedDot, im.Int4Mma, imn.Int4MmaN, ims.Int4MmaSync, f4.Fp4Mma, f4s.Fp4MmaSync,
+                 f8.Fp8Mma)
 _PACKED_CONFIGS = _PACKED_TILES + (pm.PackedDequant,)
 
 

@@ -34,6 +34,7 @@ from fusekern.kernels.int4_mma_n import Int4MmaN, int4_mma_n, layout_fits as int
 from fusekern.kernels.int4_mma_sync import Int4MmaSync, int4_mma_sync
 from fusekern.kernels.fp4_mma import Fp4Mma, fp4_mma, layout_fits as fp4_mma_fits
 from fusekern.kernels.fp4_mma_sync import Fp4MmaSync, fp4_mma_sync, layout_fits as fp4_mma_sync_fits
+from fusekern.kernels.fp8_mma import Fp8Mma, fp8_mma, layout_fits as fp8_mma_fits
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -711,6 +712,8 @@ def fits(lay: PackedLayout, cfg) -> bool:
         return fp4_mma_fits(lay)
     if isinstance(cfg, Fp4MmaSync):
         return fp4_mma_sync_fits(lay)
+    if isinstance(cfg, Fp8Mma):
+        return fp8_mma_fits(lay)
     bk, bn = cfg.BLOCK_K, cfg.BLOCK_N
     if lay.pack_axis == "K" and bk % lay.per_word:
         return False
@@ -952,6 +955,8 @@ def packed_mm(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg, b
         return fp4_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
     if isinstance(cfg, Fp4MmaSync):
         return fp4_mma_sync(x, leaves, lay, K, N, cfg, bias, workspace, record)
+    if isinstance(cfg, Fp8Mma):
+        return fp8_mma(x, leaves, lay, K, N, cfg, bias, workspace, record)
     launches = []
     w = decode_weight(leaves, lay, K, N, x.dtype, cfg, launches.append if record is not None else None)
     if launches:
@@ -1035,7 +1040,7 @@ def aot_builds():
         seen = set()
         for M in REPORT_MS:
             for cfg in dm._packed_candidates(M, N, K, 132, lay):
-                if cfg in seen or isinstance(cfg, (Int4Mma, Int4MmaN, Int4MmaSync, Fp4Mma, Fp4MmaSync)):  # (their modules' aot_builds have those)
+                if cfg in seen or isinstance(cfg, (Int4Mma, Int4MmaN, Int4MmaSync, Fp4Mma, Fp4MmaSync, Fp8Mma)):  # (their modules' aot_builds have those)
                     continue
                 seen.add(cfg)
                 ssk, ssn = _contiguous_strides(lay.scale_dims, -(-K // lay.group_k), -(-N // lay.group_n))

@@ -1,0 +1,237 @@
+"""FP8 (e4m3) weights times up to 16 bf16 rows on tensor cores, the MMA in f16.
+
+``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = fp8(q[n, k]) * s[k // GK, n // GN] (* g)``: codes
+float8_e4m3fn ``[N, K]`` along K, float scales per channel, per tensor or per block whose K extent is a multiple
+of the tile's (DeepSeek's 128 x 128), no zero point, an optional one-element global scale g: what
+``fusekern.testing.decode_zoo.fp8_channel``, ``fp8_tensor`` and ``fp8_block`` compute.
+
+Why: at 2-16 rows FP8 weight-only ran on the generic swap-AB tile (``packed_mm.PackedDot``), which decodes each
+code to fp32, casts it to bf16 for the MMA and sums its K splits in a second launch: 1.66-1.88x the floor at 16
+rows on issue 4's shapes (issue 4 asks 1.4x). Here:
+- e4m3 -> f16 is exact and one ``cvt.rn.f16x2.e4m3x2`` per pair (the cast to bf16 is slower than the fp32 route:
+  29 against 26 us at 8192 x 8192, ``benchmarks/results/h200/fp8_dot_probe.csv``), and f16 x f16 products are
+  exact in the MMA's fp32 sums, as bf16 x bf16 ones are.
+- So x must be f16. Each K tile scales x's rows by a power of two that puts their largest |x| below 2**15 (in
+  [2**14, 2**15) unless it is a subnormal fp32) and takes it off the tile's fp32 product: a bf16 value converts
+  exactly unless it is more than 2**31 below its row's largest in the tile (then it rounds to f16's subnormal
+  grid: an error below 2**-38 of that largest), and nothing overflows. Without the scaling |x| > 65504 would become inf (the unscaled tile was 5-10% faster).
+- Swap AB (``tl.dot(W^T tile, x^T tile)``: N fills the MMA's 64-row side, x is padded to 16 rows), the scale row
+  applied to the tile's product (per tile for block scales, once at the end per channel / tensor).
+- K is split over programs and reduced in the launch by the last program of a column tile, in split order
+  (deterministic), with the counters of ``split_counters``.
+H200, CUDA graph (``benchmarks/proto/fp8_dot_probe.py``, ``fp8_dot_probe*.csv``): 16 rows at 8192 x 8192 in 24.4
+us against the generic tile's 26.1, 14336 x 4096 22.9-24.0 against 25.6-25.8, 4096 x 14336 24.8 against 25.2.
+
+Read top to bottom: config and checks -> kernel -> launcher -> builds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusekern.kernels import replay
+from fusekern.kernels.int4_mma import check_rows_and_bias, split_buffers
+from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.patterns.decode.layout import PackedLayout
+
+M_MAX = 16  # x padded to the MMA's 16 columns
+
+
+@dataclass(frozen=True)
+class Fp8Mma:
+    BLOCK_N: int = 64
+    BLOCK_K: int = 128
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def layout_fits(lay: PackedLayout) -> bool:
+    """e4m3 codes ``[N, K]`` (one per byte, along K), float scales (per channel, tensor or block), no zero."""
+    return (lay.value == "fp8" and lay.per_word == 1 and lay.code_dims == ("n", "k") and lay.zero == ""
+            and lay.scale >= 0 and lay.scale_enc == "float" and set(lay.scale_dims) <= {"n", "k", "1"})
+
+
+def fits(lay: PackedLayout, M: int, K: int, x_dtype=None, block_k: int = 128) -> bool:
+    """Where the dispatcher may offer it: bf16 rows up to 16, scale groups that hold whole K tiles."""
+    return (M <= M_MAX and layout_fits(lay) and x_dtype in (None, torch.bfloat16)
+            and (lay.group_k >= K or lay.group_k % block_k == 0))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def fp8_mma_kernel(
+    x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, sqn, ssk, ssn,
+    GK: tl.constexpr, GN: tl.constexpr, SCALE_PER_TILE: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One column tile over one K slice: ``out^T[BLOCK_N, BLOCK_M] = sum over K tiles of (W^T x^T) * 2**-e * s``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    nmask = offs_n < N
+    tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(tiles, SPLIT_K)
+    t0 = pid_k * per
+    t1 = tl.minimum(t0 + per, tiles)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in range(t0, t1):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * sqn + offs_k[None, :],
+                    mask=nmask[:, None] & (offs_k[None, :] < K), other=0)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                     mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0.0).to(tl.float32)
+        # per row of x: e = floor(log2(max |x|)) (-127 below fp32's normals: the scaled max stays under 2**15),
+        # x times 2**(14 - e) and the product times 2**(e - 14), each as two powers of two that fp32 holds
+        amax = tl.max(tl.abs(xt), axis=0)
+        e = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127, 0)
+        u1 = (14 - e) >> 1
+        u2 = (14 - e) - u1
+        xs = xt * _pow2(u1)[None, :] * _pow2(u2)[None, :]
+        d = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.float16), xs.to(tl.float16))
+        d = d * _pow2(-u1)[None, :] * _pow2(-u2)[None, :]
+        if SCALE_PER_TILE:  # block scales: the group holding this tile
+            s = tl.load(s_ptr + ((t * BLOCK_K) // GK) * ssk + (offs_n // GN) * ssn, mask=nmask, other=0)
+            acc += d * s.to(tl.float32)[:, None]
+        else:
+            acc += d
+    if not SCALE_PER_TILE:  # one scale along K (per channel or tensor)
+        acc = acc * tl.load(s_ptr + (offs_n // GN) * ssn, mask=nmask, other=0).to(tl.float32)[:, None]
+    n2 = offs_n[:, None]
+    m2 = offs_m[None, :]
+    mask = (n2 < N) & (m2 < M)
+    if SPLIT_K > 1:
+        tl.store(ws_ptr + (pid_k * M + m2).to(tl.int64) * N + n2, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials are written before the count (release below)
+        cnt = cnt_ptr + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc = tl.zeros_like(acc)
+            for sk in range(SPLIT_K):  # L2 reads (.cg): the partials were written by other SMs
+                acc += tl.load(ws_ptr + (sk * M + m2).to(tl.int64) * N + n2, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
+    else:
+        _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
+
+
+@triton.jit
+def _pow2(p):
+    """2**p as fp32, for integer p in [-126, 127]."""
+    return ((p + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Global scale, bias, the store of out[m, n] from the [BLOCK_N, BLOCK_M] tile."""
+    if HAS_GLOBAL:
+        acc = acc * tl.load(g_ptr).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n2, mask=n2 < N, other=0).to(tl.float32)
+    tl.store(out_ptr + m2.to(tl.int64) * N + n2, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+_LEAVES_OK = LeafCache()  # leaf sets already checked for a layout and shape
+
+
+def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mma, bias=None) -> None:
+    """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
+    if not layout_fits(lay):
+        raise ValueError("fp8_mma: the kernel reads e4m3 codes [N, K] with float scales per channel, tensor or "
+                         "block and no zero point (see layout_fits)")
+    check_rows_and_bias("fp8_mma", x, M_MAX, K, N, bias)
+    if not (lay.group_k >= K or lay.group_k % cfg.BLOCK_K == 0) or cfg.SPLIT_K < 1 or cfg.num_warps not in (4, 8):
+        raise ValueError(f"fp8_mma: scale groups of {lay.group_k} along K = {K} and {cfg} do not fit (a group "
+                         f"must hold whole {cfg.BLOCK_K}-deep K tiles)")
+    key = (lay, K, N, x.device)
+    if _LEAVES_OK.get(key, leaves) is None:  # the same weight tensors come back every token
+        codes, scales = leaves[lay.code], leaves[lay.scale]
+        if tuple(codes.shape) != (N, K) or codes.stride(1) != 1 or codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_mma: the codes are {codes.dtype} {tuple(codes.shape)} with strides "
+                             f"{codes.stride()}, the kernel reads float8_e4m3fn [{N}, {K}] with unit stride along K")
+        if not scales.is_floating_point() or scales.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"fp8_mma: the scales must be a float tensor, got {scales.dtype}")
+        leaf_list = [codes, scales] + ([leaves[lay.glob]] if lay.glob >= 0 else [])
+        if lay.glob >= 0:
+            g = leaves[lay.glob]
+            if g.numel() != 1 or not g.is_floating_point():
+                raise ValueError(f"fp8_mma: the global scale must be one float, got {g.dtype} {tuple(g.shape)}")
+        for t in leaf_list:
+            if t.device != x.device:
+                raise ValueError(f"fp8_mma: the leaves must be on {x.device}, got {t.device}")
+        _LEAVES_OK.put(key, leaves, True)
+
+
+def _scale_strides(lay: PackedLayout, s: torch.Tensor) -> tuple[int, int]:
+    """The scale leaf's strides along its k and n dimensions (0 where it has none: one scale per tensor)."""
+    sk = sum(s.stride(d) for d, lab in enumerate(lay.scale_dims) if lab == "k")
+    sn = sum(s.stride(d) for d, lab in enumerate(lay.scale_dims) if lab == "n")
+    return sk, sn
+
+
+def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mma, bias=None,
+            workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
+    fp32 buffer of the split-K partials (tests pass one full of NaN; unused without a split). record:
+    called with a ``replay.Replay`` of this call (x with unit stride along K, no workspace given)."""
+    check(x, leaves, lay, K, N, cfg, bias)
+    rec = record is not None and workspace is None
+    if x.stride(1) != 1:  # (x is at most 16 rows)
+        x, rec = x.contiguous(), False
+    M = x.shape[0]
+    tiles_n = cdiv(N, cfg.BLOCK_N)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    ws, cnt = split_buffers(out, cfg.SPLIT_K, tiles_n, workspace, "fp8_mma")
+    q = leaves[lay.code].view(torch.uint8)
+    s = leaves[lay.scale]
+    g = leaves[lay.glob] if lay.glob >= 0 else s
+    ssk, ssn = _scale_strides(lay, s)
+    launch = replay.launch(fp8_mma_kernel, (tiles_n, cfg.SPLIT_K), (
+        x, q, s, g, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), q.stride(0), ssk, ssn),
+        dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=lay.glob >= 0,
+             HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages), rec)
+    if rec and launch.replayable:
+        record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
+    return out
+
+
+# ----------------------------------------------------------------------------- builds for the report
+
+
+def aot_builds():
+    """The configs the dispatcher offers at N = K = 8192, M = 16, for FP8 per channel and in 128 x 128 blocks
+    (one split per variant: the split does not change the loop)."""
+    from fusekern.kernels import decode_mm as dm
+    from fusekern.kernels.catalog import TritonBuild
+    from fusekern.kernels.packed_mm import REPORT_LAYOUTS
+
+    N = K = 8192
+    channel = REPORT_LAYOUTS["fp8_channel"][0]
+    block = dataclasses.replace(channel, scale_dims=("n", "k"), group_k=128, group_n=128)
+    builds = []
+    for name, lay, ssk, ssn in (("fp8_channel", channel, 0, 1), ("fp8_block", block, 1, K // 128)):
+        for cfg in dm._packed_candidates(16, N, K, 132, lay):
+            if isinstance(cfg, Fp8Mma):
+                args = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", g_ptr="*fp32", bias_ptr="*bf16",
+                            out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M=3, N=N, K=K, stride_xm=K, sqn=K,
+                            ssk=ssk, ssn=ssn)
+                ce = dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=False,
+                          HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+                builds.append(TritonBuild("fp8_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
+                                          f"w{cfg.num_warps} s{cfg.num_stages} M=16 [{N}x{K}]", fp8_mma_kernel, args,
+                                          ce, cfg.num_warps, cfg.num_stages))
+    return builds
