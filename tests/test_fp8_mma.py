@@ -85,6 +85,23 @@ def test_extreme_activations():
             assert rel_err(got[m].float(), want[m].float()) < TOL, (m, rel_err(got[m].float(), want[m].float()))
 
 
+def test_products_beyond_fp32_with_small_scales():
+    """Found in review: x times the codes can pass fp32's largest value where the scale brings the true result
+    back (1e37 x 448 x 1e-4): the scale is applied to each tile's sum before its power of two is taken off."""
+    K, N, M = 256, 64, 3
+    for fmt in ("fp8_channel", "fp8_block", "fp8_tensor"):
+        if fmt == "fp8_block":
+            N = 128
+        _, lay, leaves, x = setup(K, N, M, seed=11, fmt=fmt)
+        leaves = [torch.full_like(t, 1e-4) if i == lay.scale else t for i, t in enumerate(leaves)]
+        x = x.clone()
+        x[1] *= 1e37
+        for cfg in (F(64, 128, 1), F(64, 128, 2)):
+            got = run(x, leaves, lay, K, N, cfg)
+            assert torch.isfinite(got).all(), (fmt, cfg)
+            check(got, x, leaves, lay, K, N)
+
+
 def test_strided_rows_and_codes():
     K, N, M = 384, 128, 4
     _, lay, leaves, x = setup(K, N, M, seed=9, fmt="fp8_channel")
@@ -136,6 +153,12 @@ def test_bad_input_gets_a_clear_error():
         f8.fp8_mma(x, leaves, dataclasses.replace(lay, group_k=64, scale_dims=("n", "k")), K, N, cfg)
     with pytest.raises(ValueError, match="bias"):
         f8.fp8_mma(x, leaves, lay, K, N, cfg, bias=torch.zeros(N + 1, dtype=torch.bfloat16, device=DEVICE))
+    short = [t[:-1] if i == lay.scale else t for i, t in enumerate(leaves)]
+    with pytest.raises(ValueError, match="scales are"):
+        f8.fp8_mma(x, short, lay, K, N, cfg)
+    fp8_scales = [t.to(torch.float8_e4m3fn) if i == lay.scale else t for i, t in enumerate(leaves)]
+    with pytest.raises(ValueError, match="16-, 32- or 64-bit"):
+        f8.fp8_mma(x, fp8_scales, lay, K, N, cfg)
     with pytest.raises(ValueError, match="workspace"):
         f8.fp8_mma(x, leaves, lay, K, N, cfg, workspace=torch.empty(1, 2, N, device=DEVICE))
 

@@ -12,11 +12,14 @@ rows on issue 4's shapes (issue 4 asks 1.4x). Here:
   29 against 26 us at 8192 x 8192, ``benchmarks/results/h200/fp8_dot_probe.csv``), and f16 x f16 products are
   exact in the MMA's fp32 sums, as bf16 x bf16 ones are.
 - So x must be f16. Each K tile scales x's rows by a power of two that puts their largest |x| below 2**15 (in
-  [2**14, 2**15) unless it is a subnormal fp32) and takes it off the tile's fp32 product: a bf16 value converts
-  exactly unless it is more than 2**31 below its row's largest in the tile (then it rounds to f16's subnormal
-  grid: an error below 2**-38 of that largest), and nothing overflows. Without the scaling |x| > 65504 would become inf (the unscaled tile was 5-10% faster).
+  [2**14, 2**15) unless it is a subnormal fp32) and takes it off the tile's fp32 product, after the weight scale
+  (so the sum overflows only where its true value does). A bf16 value converts exactly unless it is more than
+  2**31 below its row's largest in the same 128 k (then it rounds to f16's subnormal grid, 2**-24 of the scaled
+  values: an error below 2**-38 of that largest |x|; it matters only where that largest value meets small codes,
+  as a row of ones with one 2**100 facing a zero code does: eager's fp32 sums keep the ones there, this tile
+  loses them). Without the scaling |x| > 65504 would become inf (the unscaled tile was 5-10% faster).
 - Swap AB (``tl.dot(W^T tile, x^T tile)``: N fills the MMA's 64-row side, x is padded to 16 rows), the scale row
-  applied to the tile's product (per tile for block scales, once at the end per channel / tensor).
+  applied to each tile's product (a block scale loaded per tile, a per-channel or per-tensor one once).
 - K is split over programs and reduced in the launch by the last program of a column tile, in split order
   (deterministic), with the counters of ``split_counters``.
 H200, CUDA graph (``benchmarks/proto/fp8_dot_probe.py``, ``fp8_dot_probe*.csv``): 16 rows at 8192 x 8192 in 24.4
@@ -85,11 +88,13 @@ def fp8_mma_kernel(
     t0 = pid_k * per
     t1 = tl.minimum(t0 + per, tiles)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if not SCALE_PER_TILE:  # one scale along K (per channel or tensor), applied per tile all the same (below)
+        s = tl.load(s_ptr + (offs_n // GN) * ssn, mask=nmask, other=0).to(tl.float32)
     for t in range(t0, t1):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * sqn + offs_k[None, :],
                     mask=nmask[:, None] & (offs_k[None, :] < K), other=0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
                      mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0.0).to(tl.float32)
         # per row of x: e = floor(log2(max |x|)) (-127 below fp32's normals: the scaled max stays under 2**15),
         # x times 2**(14 - e) and the product times 2**(e - 14), each as two powers of two that fp32 holds
@@ -99,14 +104,10 @@ def fp8_mma_kernel(
         u2 = (14 - e) - u1
         xs = xt * _pow2(u1)[None, :] * _pow2(u2)[None, :]
         d = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.float16), xs.to(tl.float16))
-        d = d * _pow2(-u1)[None, :] * _pow2(-u2)[None, :]
         if SCALE_PER_TILE:  # block scales: the group holding this tile
-            s = tl.load(s_ptr + ((t * BLOCK_K) // GK) * ssk + (offs_n // GN) * ssn, mask=nmask, other=0)
-            acc += d * s.to(tl.float32)[:, None]
-        else:
-            acc += d
-    if not SCALE_PER_TILE:  # one scale along K (per channel or tensor)
-        acc = acc * tl.load(s_ptr + (offs_n // GN) * ssn, mask=nmask, other=0).to(tl.float32)[:, None]
+            s = tl.load(s_ptr + ((t * BLOCK_K) // GK) * ssk + (offs_n // GN) * ssn, mask=nmask, other=0).to(tl.float32)
+        # the scale before the power of two: the tile's sum overflows fp32 only where its true value does
+        acc += d * s[:, None] * _pow2(-u1)[None, :] * _pow2(-u2)[None, :]
     n2 = offs_n[:, None]
     m2 = offs_m[None, :]
     mask = (n2 < N) & (m2 < M)
@@ -162,8 +163,13 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
         if tuple(codes.shape) != (N, K) or codes.stride(1) != 1 or codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8_mma: the codes are {codes.dtype} {tuple(codes.shape)} with strides "
                              f"{codes.stride()}, the kernel reads float8_e4m3fn [{N}, {K}] with unit stride along K")
-        if not scales.is_floating_point() or scales.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"fp8_mma: the scales must be a float tensor, got {scales.dtype}")
+        if not scales.is_floating_point() or scales.element_size() < 2:
+            raise ValueError(f"fp8_mma: the scales must be a 16-, 32- or 64-bit float tensor, got {scales.dtype}")
+        size = {"n": cdiv(N, lay.group_n), "k": cdiv(K, lay.group_k), "1": 1}
+        want = tuple(size[d] for d in lay.scale_dims)
+        if tuple(scales.shape) != want:
+            raise ValueError(f"fp8_mma: the scales are {tuple(scales.shape)}, the layout's {lay.scale_dims} over "
+                             f"[{N}, {K}] in groups of {lay.group_n} x {lay.group_k} make {want}")
         leaf_list = [codes, scales] + ([leaves[lay.glob]] if lay.glob >= 0 else [])
         if lay.glob >= 0:
             g = leaves[lay.glob]
