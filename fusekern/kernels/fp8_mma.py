@@ -40,7 +40,7 @@ from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import check_rows_and_bias, split_buffers
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
-from fusekern.patterns.decode.layout import PackedLayout
+from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
 M_MAX = 16  # x padded to the MMA's 16 columns
 
@@ -62,8 +62,12 @@ def layout_fits(lay: PackedLayout) -> bool:
 
 def fits(lay: PackedLayout, M: int, K: int, x_dtype=None, block_k: int = 128) -> bool:
     """Where the dispatcher may offer it: bf16 rows up to 16, scale groups that hold whole K tiles."""
-    return (M <= M_MAX and layout_fits(lay) and x_dtype in (None, torch.bfloat16)
-            and (lay.group_k >= K or lay.group_k % block_k == 0))
+    return M <= M_MAX and layout_fits(lay) and x_dtype in (None, torch.bfloat16) and _whole_tiles(lay, K, block_k)
+
+
+def _whole_tiles(lay: PackedLayout, K: int, block_k: int) -> bool:
+    """Each K tile lies in one scale group: one group along all of K, or groups of whole tiles."""
+    return lay.group_k >= K or lay.group_k % block_k == 0
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -154,7 +158,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
         raise ValueError("fp8_mma: the kernel reads e4m3 codes [N, K] with float scales per channel, tensor or "
                          "block and no zero point (see layout_fits)")
     check_rows_and_bias("fp8_mma", x, M_MAX, K, N, bias)
-    if not (lay.group_k >= K or lay.group_k % cfg.BLOCK_K == 0) or cfg.SPLIT_K < 1 or cfg.num_warps not in (4, 8):
+    if not _whole_tiles(lay, K, cfg.BLOCK_K) or cfg.SPLIT_K < 1 or cfg.num_warps not in (4, 8):
         raise ValueError(f"fp8_mma: scale groups of {lay.group_k} along K = {K} and {cfg} do not fit (a group "
                          f"must hold whole {cfg.BLOCK_K}-deep K tiles)")
     key = (lay, K, N, x.device)
@@ -181,13 +185,6 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
         _LEAVES_OK.put(key, leaves, True)
 
 
-def _scale_strides(lay: PackedLayout, s: torch.Tensor) -> tuple[int, int]:
-    """The scale leaf's strides along its k and n dimensions (0 where it has none: one scale per tensor)."""
-    sk = sum(s.stride(d) for d, lab in enumerate(lay.scale_dims) if lab == "k")
-    sn = sum(s.stride(d) for d, lab in enumerate(lay.scale_dims) if lab == "n")
-    return sk, sn
-
-
 def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mma, bias=None,
             workspace: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """``x [M, K] @ W + bias`` (bias: None or a contiguous [N] vector). workspace: the ``[SPLIT_K, M, N]``
@@ -204,7 +201,7 @@ def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8
     q = leaves[lay.code].view(torch.uint8)
     s = leaves[lay.scale]
     g = leaves[lay.glob] if lay.glob >= 0 else s
-    ssk, ssn = _scale_strides(lay, s)
+    ssk, ssn = leaf_strides(s, lay.scale_dims)
     launch = replay.launch(fp8_mma_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, s, g, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), q.stride(0), ssk, ssn),
         dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=lay.glob >= 0,

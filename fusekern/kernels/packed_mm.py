@@ -38,7 +38,7 @@ from fusekern.kernels.fp8_mma import Fp8Mma, fp8_mma, layout_fits as fp8_mma_fit
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
-from fusekern.patterns.decode.layout import PackedLayout
+from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
 # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives the float 2**23 + it
 MAGIC_F = tl.constexpr(8388608.0)
@@ -747,14 +747,6 @@ def _encode(order) -> int:
     return sum(int(o) << (4 * j) for j, o in enumerate(order))
 
 
-def _strides(t: torch.Tensor | None, dims: tuple) -> tuple[int, int]:
-    if t is None:
-        return 0, 0
-    sk = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "k")
-    sn = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "n")
-    return sk, sn
-
-
 _ARGS = LeafCache()
 
 
@@ -787,14 +779,14 @@ def _meta(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
     q = leaves[lay.code]
     s = leaves[lay.scale] if lay.scale >= 0 else None
     z = leaves[lay.zero_leaf] if lay.zero_leaf >= 0 else None
-    sqk, sqn = _strides(q, lay.code_dims)
+    sqk, sqn = leaf_strides(q, lay.code_dims)
     if word_i32:  # K-contiguous bytes read as int32 words (``_words`` checked the strides)
         sqk, sqn = 1, sqn // 4
     kw = K // lay.per_word if lay.pack_axis == "K" else (N // lay.per_word if lay.pack_axis == "N" else K)
     if word_i32:
         kw //= 4
-    ssk, ssn = _strides(s, lay.scale_dims)
-    szk, szn = _strides(z, lay.zero_dims)
+    ssk, ssn = leaf_strides(s, lay.scale_dims)
+    szk, szn = leaf_strides(z, lay.zero_dims)
     return (kw, sqk, sqn, ssk, ssn, szk, szn), _constexprs(lay, s is not None and s.dtype in FP8)
 
 

@@ -100,6 +100,16 @@ def _parse_layout(text: str) -> PackedLayout | None:
     return PackedLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
 
 
+def leaf_strides(t: torch.Tensor | None, dims: tuple) -> tuple[int, int]:
+    """A leaf's strides along its dims labelled k and n (0 where it has none, or no leaf): what the kernels
+    index it with, ``[k // group_k, n // group_n]``."""
+    if t is None:
+        return 0, 0
+    sk = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "k")
+    sn = sum(t.stride(d) for d, lab in enumerate(dims) if lab == "n")
+    return sk, sn
+
+
 def _gather(t: torch.Tensor, dims: tuple, k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     k, n = torch.broadcast_tensors(k, n)
     idx = tuple({"k": k, "n": n}.get(d, torch.zeros_like(k)) for d in dims)
