@@ -468,23 +468,11 @@ def test_a_rounding_cast_of_the_raw_operand_is_kept():
     assert torch.equal(got.isfinite(), want.isfinite())
 
 
-def _fake_cuda_graph(fn, args):
-    """The post-grad graph inductor would hand the passes on a GPU machine, built from fake CUDA tensors."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from fusekern.compiler_pass.canonicalize import canonicalize
-
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-    canonicalize(gm.graph)
-    gm.graph.eliminate_dead_code()
-    return gm.graph
-
-
 def test_a_cpu_scalar_with_cuda_operands_declines_instead_of_breaking_the_compile():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fusekern.patterns import scale_folding as SF
+    from fusekern.testing.decode_cones import fake_cuda_graph
 
     def legacy(x8, w8, sx, sw):  # 0-d CPU scales with CUDA operands: valid in eager
         return F.linear(x8.to(BF16) * sx.to(BF16), w8.to(BF16) * sw.to(BF16))
@@ -492,4 +480,4 @@ def test_a_cpu_scalar_with_cuda_operands_declines_instead_of_breaking_the_compil
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = (torch.empty(16, 128, device="cuda", dtype=E4M3), torch.empty(64, 128, device="cuda", dtype=E4M3),
                 torch.tensor(0.5), torch.tensor(0.25))
-    assert SF.rewrite_scaled_matmuls(_fake_cuda_graph(legacy, args)) == 0
+    assert SF.rewrite_scaled_matmuls(fake_cuda_graph(legacy, args)) == 0

@@ -47,6 +47,7 @@ from fusekern.kernels import fp4_mma_sync as f4s
 from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
+from fusekern.kernels import device_info
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.leaf_cache import LeafCache
@@ -239,6 +240,23 @@ def _generated_candidates(M: int, N: int, K: int, batch: int, sms: int) -> list[
     return [DequantConfig()]
 
 
+def min_capability(cfg) -> tuple[int, int]:
+    """The oldest GPU (compute capability) whose compiler takes ``cfg``'s kernel: TMA descriptors and the FP4
+    tables' packed bf16 scale multiply (``mul.rn.bf16x2``) need Hopper, FP8 -> f16 conversions Ada; the rest
+    (bf16 MMAs, ``lop3`` / ``prmt`` decodes) Ampere. FP8 formats are declined below sm_89 by the pattern."""
+    if isinstance(cfg, (f4.Fp4Mma, f4s.Fp4MmaSync)) or getattr(cfg, "tma", False):
+        return device_info.HOPPER
+    if isinstance(cfg, f8.Fp8Mma):
+        return device_info.FP8_CAPABILITY
+    return device_info.MIN_CAPABILITY
+
+
+def runs_on(cfg, device: torch.device) -> bool:
+    """Whether ``cfg``'s kernel compiles for ``device`` (always on CPU and under the interpreter)."""
+    cap = device_info.capability(device)
+    return cap is None or cap >= min_capability(cfg)
+
+
 _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured config
 
 
@@ -252,7 +270,7 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
     if key in _tuned:
         return _tuned[key]
     sms = sm_count(x.device)
-    cands = candidates(bucket, prog.N, prog.K, batch, sms, layout, x.dtype)
+    cands = [c for c in candidates(bucket, prog.N, prog.K, batch, sms, layout, x.dtype) if runs_on(c, x.device)]
     if len(cands) == 1:
         _tuned[key] = cands[0]
         return cands[0]
@@ -830,6 +848,10 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
+        if not runs_on(cfg, x.device):
+            cap = min_capability(cfg)
+            raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs sm_{cap[0]}{cap[1]} or newer, "
+                             f"{x.device} is sm_{''.join(map(str, device_info.capability(x.device)))}")
         ws = None
         if workspace is not None and isinstance(cfg, _PACKED_TILES):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype

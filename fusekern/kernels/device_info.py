@@ -51,3 +51,42 @@ def supports_pdl(device: torch.device) -> bool:
             ok = torch.cuda.get_device_capability(index)[0] >= 9
             _pdl[index] = ok
     return ok
+
+
+# The oldest GPU fusekern's kernels are built for: bf16 tensor cores and conversions (Ampere). FP8
+# conversions and MMAs need sm_89 (Ada, Hopper); TMA and packed bf16 multiplies (``mul.rn.bf16x2``) sm_90.
+MIN_CAPABILITY = (8, 0)
+FP8_CAPABILITY = (8, 9)
+HOPPER = (9, 0)
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, cached per index; None where kernels do not run on a GPU (CPU, the
+    Triton interpreter) or no driver answers (compiling on a machine without a GPU, for Hopper)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = _capabilities.get(index)
+        if cap is None:
+            cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    except (RuntimeError, AssertionError):  # no driver / CUDA not compiled in
+        return None
+    return cap
+
+
+def unsupported(device: torch.device, fp8: bool = False) -> str | None:
+    """Why fusekern's kernels cannot run on ``device`` (None: they can). Patterns decline with this reason,
+    so the original graph stays. fp8: the replacement converts or multiplies FP8 values."""
+    if device.type not in ("cpu", "cuda"):
+        return f"tensors on {device} (fusekern runs on CPU and CUDA)"
+    cap = capability(device)
+    if cap is None:
+        return None
+    if cap < MIN_CAPABILITY:
+        return f"a GPU of sm_{cap[0]}{cap[1]}, older than sm_80 (fusekern's kernels need bf16 tensor cores)"
+    if fp8 and cap < FP8_CAPABILITY:
+        return f"FP8 values on a GPU of sm_{cap[0]}{cap[1]}, older than sm_89 (no FP8 conversions or MMAs)"
+    return None

@@ -24,6 +24,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_attention as kernel
+from fusekern.kernels import device_info
 from fusekern.kernels.fp8_kv_attention import MAX_ROWS
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import Decline, _Emitter, _erase_dead, _is, _known, _val
@@ -63,6 +64,8 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     devices = {_val(t).device for t in tensors if _val(t) is not None}
     if len(devices) != 1 or qv.device.type not in ("cpu", "cuda"):
         raise Decline(f"q, K / V and mask on {sorted(map(str, devices))}")
+    if (reason := device_info.unsupported(qv.device)) is not None:
+        raise Decline(reason)
     if _val(out).dtype != qv.dtype:
         raise Decline(f"the attention output is {_val(out).dtype}, q is {qv.dtype}")
     _check_mask(mask, [B, Hq, Lq, kv.shape[2]])  # (symbolic sizes compared without guards, before the kernel's check)

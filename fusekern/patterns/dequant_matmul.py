@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusekern.kernels import device_info
 from fusekern.kernels import w8a16_linear as kernel
 from fusekern.patterns.registry import register_pattern, register_rewrite
 from fusekern.patterns.spec import T
@@ -52,7 +53,7 @@ def _common_reason(v) -> str | None:
     devices = {t.device for t in v.values() if isinstance(t, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         return f"inputs on devices {sorted(map(str, devices))}"
-    return None
+    return device_info.unsupported(next(iter(devices)))
 
 
 def _per_channel_reason(t, n, what: str, max_dims: int) -> str | None:

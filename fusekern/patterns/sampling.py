@@ -53,6 +53,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx import Graph, Node
 
+from fusekern.kernels import device_info
 from fusekern.kernels import sampler as kernel
 from fusekern.patterns.registry import register_rewrite
 
@@ -640,6 +641,8 @@ def match_sampler(output: Node) -> SamplerMatch:
                       "promotes them): not supported yet")
     if lv.device.type not in ("cpu", "cuda"):
         raise Decline(f"logits on {lv.device}")
+    if (reason := device_info.unsupported(lv.device)) is not None:
+        raise Decline(reason)
     if rand is not None and list(_val(rand).shape) != list(lv.shape):
         raise Decline("the noise is not drawn per token")
     params = {f.kind: f.value for f in filters}

@@ -24,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Graph, Node
 
+from fusekern.kernels import device_info
 from fusekern.kernels import masked_argmax as kernel
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.sampling import Decline, _fake, _is, _val  # the sampling family's node helpers
@@ -114,6 +115,8 @@ def match(argmax: Node, graph: Graph) -> dict:
         raise Decline(f"the temperature promotes the logits from {lv.dtype} to {yv.dtype}")
     if lv.device.type not in ("cpu", "cuda"):
         raise Decline(f"logits on {lv.device}")
+    if (reason := device_info.unsupported(lv.device)) is not None:
+        raise Decline(reason)
     inside = set(chain) | {argmax}
     for n in chain:
         if any(u not in inside for u in n.users):

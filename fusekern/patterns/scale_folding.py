@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fusekern.kernels import cute_dispatch
+from fusekern.kernels import cute_dispatch, device_info
 from fusekern.kernels import scaled_mm as kernel
 from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
@@ -463,20 +463,12 @@ def plan(mm: Node) -> Plan:
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         raise Decline(f"operands and scales on {sorted(map(str, devices))}")
     device = next(iter(devices))
-    if device.type == "cuda" and (av.dtype in FP8 or bv.dtype in FP8) and not _has_fp8(device):
-        raise Decline("fp8 operands on a GPU older than sm_89 (no fp8 tensor cores or conversions)")
+    if (reason := device_info.unsupported(device, fp8=av.dtype in FP8 or bv.dtype in FP8)) is not None:
+        raise Decline(reason)
     return Plan(mm, a, b, out, bias, out_dtype)
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _has_fp8(device: torch.device) -> bool:
-    """fp8 MMA and conversions need sm_89 or newer."""
-    try:
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    except Exception:  # noqa: BLE001 - no driver (compiling without a GPU): assume the target is Hopper
-        return True
 
 
 def _all_factor_nodes(a: Operand, b: Operand, out: Output) -> list:

@@ -22,10 +22,11 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from fusekern.kernels import device_info
 from fusekern.kernels import fp8_kv_attention as kernel
 from fusekern.patterns.registry import register_rewrite
 from fusekern.patterns.scale_folding import (
-    RESHAPES, Decline, Factors, Peel, _Emitter, _erase_dead, _has_fp8, _is, _known, _val,
+    RESHAPES, Decline, Factors, Peel, _Emitter, _erase_dead, _is, _known, _val,
 )
 
 aten = torch.ops.aten
@@ -212,8 +213,8 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
     devices = {_val(t).device for t in tensors}
     if len(devices) != 1 or qv.device.type not in ("cpu", "cuda"):
         raise Decline(f"q, caches and scales on {sorted(map(str, devices))}")
-    if qv.device.type == "cuda" and not _has_fp8(qv.device):
-        raise Decline("an fp8 cache on a GPU older than sm_89 (no fp8 conversions)")
+    if (reason := device_info.unsupported(qv.device, fp8=True)) is not None:
+        raise Decline(reason)
     if _val(out).dtype != qv.dtype:
         raise Decline(f"the attention output is {_val(out).dtype}, q is {qv.dtype}")
     with qv.fake_mode:

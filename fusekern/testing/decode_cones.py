@@ -60,3 +60,17 @@ def decode_program(fn, x, *weights):
     cone = find_cone(mm)
     constants = {i: getattr(gm, leaf.target) for i, leaf in enumerate(cone.leaves) if leaf.op == "get_attr"}
     return analyse(cone).to_text(), [env[leaf] for leaf in cone.leaves], constants
+
+
+def fake_cuda_graph(fn, args) -> torch.fx.Graph:
+    """The graph inductor would hand the post-grad passes on a GPU machine, traced from fake CUDA tensors
+    (``args``: made under a ``FakeTensorMode``), on any machine: tests of what a pass does on a GPU."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusekern.compiler_pass.canonicalize import canonicalize
+
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    canonicalize(gm.graph)
+    gm.graph.eliminate_dead_code()
+    return gm.graph

@@ -12,6 +12,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_mm as kernel
+from fusekern.kernels import device_info
 from fusekern.patterns.decode.analysis import (
     CODE_DTYPES, Cone, Unsupported, analyse, ancestors, find_cone, weight_operand,
 )
@@ -61,6 +62,10 @@ def plan(mm: Node) -> tuple[Cone, DecodeProgram]:
         raise Unsupported(f"activation dtype {xv.dtype} (fp16 / bf16 / fp32 only)")
     if xv.device.type not in ("cpu", "cuda"):
         raise Unsupported(f"activation on {xv.device}")
+    fp8 = any(_val(leaf).dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for leaf in cone.leaves)
+    reason = device_info.unsupported(xv.device, fp8=fp8)
+    if reason is not None:
+        raise Unsupported(reason)
     prog = analyse(cone)
     if prog.dtype != xv.dtype:
         raise Unsupported(f"the decoded weight is {prog.dtype}, the activation {xv.dtype}")
