@@ -15,7 +15,7 @@ path and tile measured on the first call). Each compiled function is timed twice
 overhead included) and ``graph`` (do_bench_cudagraph: GPU time, as under CUDA graphs). The floor is the
 bytes that must move at 4.3 TB/s (weights + activations + output) or the bf16 dense peak (989 TF/s),
 whichever is larger. Medians, one run; rows are written as they are measured; each fusekern output is
-checked against eager.
+checked against eager. ``kernel``: the config(s) the dispatcher measured fastest on that first call.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401
+from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.testing import rel_err  # noqa: E402
 from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 
@@ -71,7 +72,9 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             stock = torch.compile(case.fn)
             ref = case.fn(x, *ws)
+            tuned_before = set(dm._tuned)
             got = fk(x, *ws)
+            chosen = [repr(dm._tuned[k]) for k in dm._tuned if k not in tuned_before]
             err = rel_err(got, ref)
             fusekern.reset_match_report()
             variants = {"eager": lambda: case.fn(x, *ws), "stock": lambda: stock(x, *ws), "fusekern": lambda: fk(x, *ws)}
@@ -81,7 +84,7 @@ def main():
             if w_bf16 is not None:  # (every row then: the CSV's columns are the first row's)
                 variants["cublas_bf16"] = lambda: x @ w_bf16
             row = dict(format=name, recognized=case.format, M=M, N=N, K=K, rel_err=f"{err:.2e}",
-                       floor_us=round(floor_us(M, N, K, ws), 2))
+                       floor_us=round(floor_us(M, N, K, ws), 2), kernel="; ".join(chosen) or "(not tuned)")
             for v, fn in variants.items():
                 fn()
                 row[f"{v}_call_us"] = round(

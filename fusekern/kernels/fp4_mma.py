@@ -193,7 +193,7 @@ def fp4_mma_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
         else:  # the interpreter multiplies bf16 dot operands as raw 16-bit integers: fp32 (exact products)
             acc = tl.dot(wt, xt.to(tl.float32), acc, input_precision="ieee")
     store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N,
-                     HAS_BIAS, SPLIT_K, ASM, BLOCK_N, BLOCK_M)
+                     HAS_BIAS, SPLIT_K, ASM)
 
 
 # ----------------------------------------------------------------------------- launcher

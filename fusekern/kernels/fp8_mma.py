@@ -40,6 +40,7 @@ from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import check_rows_and_bias, split_buffers
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.kernels.split_k import add_partials
 from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
 M_MAX = 16  # x padded to the MMA's 16 columns
@@ -115,16 +116,10 @@ def fp8_mma_kernel(
     n2 = offs_n[:, None]
     m2 = offs_m[None, :]
     mask = (n2 < N) & (m2 < M)
-    if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * M + m2).to(tl.int64) * N + n2, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partials are written before the count (release below)
-        cnt = cnt_ptr + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            acc = tl.zeros_like(acc)
-            for sk in range(SPLIT_K):  # L2 reads (.cg): the partials were written by other SMs
-                acc += tl.load(ws_ptr + (sk * M + m2).to(tl.int64) * N + n2, mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if SPLIT_K > 1:  # the tile's last program sums the partials (``split_k``)
+        last, acc = add_partials(acc, ws_ptr, m2.to(tl.int64) * N + n2, tl.cast(M * N, tl.int64), pid_k, mask,
+                                 cnt_ptr + pid_n, SPLIT_K)
+        if last:
             _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
     else:
         _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)

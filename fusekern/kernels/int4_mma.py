@@ -47,6 +47,7 @@ from fusekern.kernels import replay
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
+from fusekern.kernels.split_k import add_partials
 from fusekern.patterns.decode.layout import PackedLayout
 
 GROUP = 128  # the K tile: one scale / zero row per tile
@@ -290,28 +291,21 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 d = tl.dot(wt, xt.to(tl.float32), input_precision="ieee")
             acc += d * s[:, None]
     store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N,
-                     HAS_BIAS, SPLIT_K, ASM, BLOCK_N, BLOCK_M)
+                     HAS_BIAS, SPLIT_K, ASM)
 
 
 @triton.jit
 def store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
     """out^T: out[m, n] = acc[n, m] of a swap-AB tile (columns offs_n, rows offs_m), plus bias, rounded; split
-    over K: the partial into ws [SPLIT_K, M, N], and the tile's last program sums them in split order (also
-    ``fp4_mma``'s epilogue). (Offsets written out at each use: one shared offset tensor was computed before the
-    loop and held through it, 167 registers against 128.)"""
+    over K: the tile's last program sums the partials (``split_k``; also ``fp4_mma``'s epilogue). (Offsets
+    written out at each use: one shared offset tensor was computed before the loop and held through it, 167
+    registers against 128.)"""
     omask = mmask[None, :] & nmask[:, None]
     if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the count (release below)
-        cnt = cnt_ptr + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sk in range(SPLIT_K):  # split order: deterministic; L2 reads (.cg): written by other SMs
-                tot += tl.load(ws_ptr + (sk * M + offs_m[None, :]) * N + offs_n[:, None], mask=omask, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        last, tot = add_partials(acc, ws_ptr, offs_m[None, :] * N + offs_n[:, None], M * N, pid_k, omask,
+                                 cnt_ptr + pid_n, SPLIT_K)
+        if last:
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + offs_n, mask=nmask, other=0).to(tl.float32)[:, None]
             tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], _round_to(tot, out_ptr, ASM), mask=omask)

@@ -38,6 +38,7 @@ from fusekern.kernels.fp8_mma import Fp8Mma, fp8_mma, layout_fits as fp8_mma_fit
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
+from fusekern.kernels.split_k import add_partials
 from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
 # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives the float 2**23 + it
@@ -377,21 +378,12 @@ def _word_dot(words, x_row, kbase, stride_xk, K, KPOS: tl.constexpr, P: tl.const
 @triton.jit
 def _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, offs_n, N, stride_om,
                  stride_on, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """A GEMV program's epilogue. Split K: every program writes its fp32 partial row to ``ws``
-    ([SPLIT_K, M, N]) and counts itself in; the last of a column tile's SPLIT_K programs sums the
-    partials in split order (deterministic), finishes the row and resets the counter for the next
-    launch. One launch, no reduction kernel."""
-    nmask = offs_n < N
+    """A GEMV program's epilogue; split K: the last of a row tile's programs sums the partials (``split_k``,
+    one counter per row and column tile)."""
     if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, out, mask=nmask)
-        tl.debug_barrier()  # every thread's partial is written before the count (release below)
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            out = tl.zeros_like(out)
-            for s in range(SPLIT_K):  # L2 reads (.cg): the partials were written by other SMs
-                out += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=nmask, other=0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        last, out = add_partials(out, ws_ptr, m.to(tl.int64) * N + offs_n, tl.cast(M * N, tl.int64), pid_k,
+                                 offs_n < N, cnt_ptr + m * tl.num_programs(0) + pid_n, SPLIT_K)
+        if last:
             _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, stride_on, HAS_GLOBAL,
                            HAS_BIAS)
     else:
