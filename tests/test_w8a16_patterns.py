@@ -215,3 +215,32 @@ def test_enable_single_pattern():
     x, w, s, b = inputs()
     assert_compiled(scale_after_bias, (x, w, s, b), fired={"w8a16_linear_scale": 1},
                     options={"fusekern.enable": ["w8a16_linear_scale"]})
+
+
+def test_input_channel_scale_of_length_n_does_not_fire_when_n_equals_k():
+    """``w * s`` with a 1-D s scales input channels (along K) by broadcasting; where N == K the shapes match the
+    column-scale pattern's ops, but not its product (it once fired and scaled the outputs instead)."""
+    x, w, _, _ = inputs(N=64, K=64)
+    s = torch.rand(64, device=DEVICE, dtype=BF16) * 0.02 + 1e-3
+
+    def f(x, w, s):
+        return F.linear(x, w.to(x.dtype) * s)
+
+    assert_compiled(f, (x, w, s), fired={}, options=NO_DECODE)
+    reasons = [r.reason for r in fusekern.match_report().rejections()]
+    assert any("scale of shape (64,)" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("form", ["plus_number", "number_plus", "times_number", "scale_then_times_number"])
+def test_numbers_after_the_linear_are_not_scales_or_biases(form):
+    """A Python number where the search has a tensor (``* s`` or ``+ b``): declined with a reason, the compile
+    goes on (it once raised AttributeError inside the check)."""
+    x, w, s, _ = inputs()
+    fns = {
+        "plus_number": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s + 0.5,
+        "number_plus": lambda x, w, s: 0.5 + F.linear(x, w.to(x.dtype)) * s,
+        "times_number": lambda x, w, s: F.linear(x, w.to(x.dtype)) * 2.0,
+        "scale_then_times_number": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s * 2.0,
+    }
+    result = assert_compiled(fns[form], (x, w, s), options=NO_DECODE)
+    assert set(result.fired) <= {"w8a16_linear_scale"}, result.fired

@@ -58,6 +58,8 @@ def _common_reason(v) -> str | None:
 
 def _per_channel_reason(t, n, what: str, max_dims: int) -> str | None:
     """t must hold one value per output channel along its last axis: [N], [1, N], [1, 1, N]..."""
+    if not isinstance(t, torch.Tensor):
+        return f"{what} is the number {t!r}, not a tensor of one value per output channel"
     if not t.dtype.is_floating_point:
         return f"{what} dtype {t.dtype} is not floating point"
     if t.dim() > max_dims or t.dim() == 0:
@@ -76,20 +78,34 @@ def check_scale_after(v) -> str | None:
     return reason
 
 
-def check_scale_before(v) -> str | None:
-    """Dequantize-before forms: s is [N] (indexed s[:, None]) or already [N, 1]."""
+def _scale_before_reason(v, dims: int) -> str | None:
+    """Dequantize-before forms: s is [N] where the search indexes it (``s[:, None]``, dims 1), [N, 1] where
+    it multiplies the weight as it is (dims 2). The matcher matches the ops, not the shapes: a [K] scale
+    times the weight scales input channels (along K), which is a different product even where N == K."""
     reason = _common_reason(v)
     if reason is not None:
         return reason
     s, n = v["s"], v["w"].shape[0]
+    if not isinstance(s, torch.Tensor):
+        return f"scale is the number {s!r}, not one value per output channel"
     if not s.dtype.is_floating_point:
         return f"scale dtype {s.dtype} is not floating point"
-    want = (n,) if s.dim() == 1 else (n, 1)
-    if s.dim() not in (1, 2) or not all(_known(a == b) for a, b in zip(s.shape, want)):
+    want = (n,) if dims == 1 else (n, 1)
+    if s.dim() != dims or not all(_known(a == b) for a, b in zip(s.shape, want)):
         return f"scale of shape {tuple(s.shape)} is not one value per output channel ({want})"
     if "b" in v:
         return _per_channel_reason(v["b"], n, "bias", 1)
     return None
+
+
+def check_scale_before(v) -> str | None:
+    """``w.to(dt) * s[:, None]`` forms: s is [N]."""
+    return _scale_before_reason(v, 1)
+
+
+def check_scale_column(v) -> str | None:
+    """``w.to(dt) * s`` form: s is [N, 1] (one value per row of w)."""
+    return _scale_before_reason(v, 2)
 
 
 def _fused(x, w, s, b, out_dtype):
@@ -197,7 +213,7 @@ def _w8a16_dequant_col_search(x, w, s):
 register_pattern(
     "w8a16_dequant_linear_col_scale", _w8a16_dequant_col_search, _w8a16_dequant_replace,
     inputs=dict(DEQUANT_INPUTS, s=T("N", 1, dtype="act", positive=True)), dtypes={"act": ACT},
-    check=check_scale_before, description="F.linear(x, w.to(x.dtype) * s) with s of shape [N, 1]", **COMMON,
+    check=check_scale_column, description="F.linear(x, w.to(x.dtype) * s) with s of shape [N, 1]", **COMMON,
 )
 
 
