@@ -74,7 +74,10 @@ def main():
             ref = case.fn(x, *ws)
             tuned_before = set(dm._tuned)
             got = fk(x, *ws)
-            chosen = [repr(dm._tuned[k]) for k in dm._tuned if k not in tuned_before]
+            chosen = [repr(dm._tuned[k]) for k in dm._tuned if k not in tuned_before] or [  # else tuned before:
+                repr(cfg) for (text, _, bucket, _, _), cfg in dm._tuned.items()  # this M bucket and shape
+                if bucket == triton.next_power_of_2(M) and (dm.DecodeProgram.from_text(text).N,
+                                                             dm.DecodeProgram.from_text(text).K) == (N, K)]
             err = rel_err(got, ref)
             fusekern.reset_match_report()
             variants = {"eager": lambda: case.fn(x, *ws), "stock": lambda: stock(x, *ws), "fusekern": lambda: fk(x, *ws)}

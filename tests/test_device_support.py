@@ -70,6 +70,10 @@ def _fp8_weight_only(x, w8, s):
     return F.linear(x, w8.to(x.dtype) * s)
 
 
+def _fp8_bitcast(x, w_bytes, s):  # FP8 codes stored as uint8, viewed as fp8 inside the decode
+    return F.linear(x, w_bytes.view(torch.float8_e4m3fn).to(x.dtype) * s)
+
+
 def _int8_group(x, w, s):
     N, K = w.shape
     return F.linear(x, (w.to(x.dtype).view(N, K // 128, 128) * s.view(N, K // 128, 1)).view(N, K))
@@ -105,6 +109,9 @@ def _cases():
         return {
             "fp8 weight-only": (_fp8_weight_only, (x, e(256, 512, device=CUDA, dtype=E4M3), e(256, 1, device=CUDA, dtype=BF16)),
                                 decode_rewrite.rewrite_decode_matmuls, ADA),
+            "fp8 bitcast from uint8": (_fp8_bitcast, (x, e(256, 512, device=CUDA, dtype=torch.uint8),
+                                                      e(256, 1, device=CUDA, dtype=BF16)),
+                                       decode_rewrite.rewrite_decode_matmuls, ADA),
             "int8 groups": (_int8_group, (x, e(256, 512, device=CUDA, dtype=torch.int8), e(256, 4, device=CUDA, dtype=BF16)),
                             decode_rewrite.rewrite_decode_matmuls, AMPERE),
             "fp8 w8a8": (_w8a8, (e(16, 128, device=CUDA, dtype=E4M3), e(64, 128, device=CUDA, dtype=E4M3),
@@ -155,6 +162,46 @@ def test_min_capability_of_each_config():
     assert dm.min_capability(dm.DequantConfig()) == AMPERE
 
 
+def test_fp8_layouts_need_ada():
+    """FP8 codes (fp8_channel) and E4M3 scales (NVFP4) need sm_89 in every kernel, the generic tiles included."""
+    gemv = pm.PackedGemv(64, 128, 1, 4)
+    for name, want in (("fp8_channel", ADA), ("nvfp4", ADA), ("mxfp4", AMPERE), ("gptq", AMPERE)):
+        assert dm.min_capability(gemv, pm.REPORT_LAYOUTS[name][0]) == want, name
+        assert dm.min_capability(dm.DequantConfig(), pm.REPORT_LAYOUTS[name][0]) == want, name
+
+
+@pytest.mark.parametrize("name", ["gptq", "int4_k_stack", "mxfp4", "nvfp4", "fp8_channel"])
+def test_dispatcher_offers_only_configs_that_compile(gpu, name):
+    """What ``tuned_config`` times, and what it picks while a graph is captured, on each GPU."""
+    cuda, lay = torch.device(CUDA), pm.REPORT_LAYOUTS[name][0]
+    oldest = ADA if "fp8" in (lay.value, lay.scale_enc) else AMPERE  # (where the pattern fires)
+    for cap in (AMPERE, ADA, HOPPER):
+        gpu(cap)
+        for M in (1, 8, 16, 64):
+            cands = dm.device_candidates(M, 4096, 4096, 1, lay.to_text(), BF16, cuda)
+            if cap < oldest:
+                assert cands == [], (cap, M)
+                continue
+            assert cands and all(dm.min_capability(c, lay) <= cap for c in cands), (cap, M)
+            everything = dm.candidates(M, 4096, 4096, 1, 132, lay.to_text(), BF16)
+            if cap == HOPPER:
+                assert cands == everything  # nothing dropped on the target
+            pick = dm.untimed_config(M, 4096, 4096, 1, lay.to_text(), cuda)
+            assert dm.min_capability(pick, lay) <= cap, (cap, M, pick)
+    gpu(AMPERE)
+    assert any(isinstance(c, f4.Fp4Mma) for c in dm.candidates(16, 4096, 4096, 1, 132,
+                                                               pm.REPORT_LAYOUTS["mxfp4"][0].to_text(), BF16))
+    assert not any(isinstance(c, f4.Fp4Mma) for c in dm.device_candidates(
+        16, 4096, 4096, 1, pm.REPORT_LAYOUTS["mxfp4"][0].to_text(), BF16, torch.device(CUDA)))
+
+
+def test_a_config_for_a_newer_gpu_is_refused_with_the_reason(gpu):
+    gpu(AMPERE)
+    with pytest.raises(ValueError, match="Fp4Mma needs sm_90 .* is sm_80"):
+        dm.check_runs_on(f4.Fp4Mma(128, 1), torch.device(CUDA), pm.REPORT_LAYOUTS["mxfp4"][0])
+    dm.check_runs_on(pm.PackedGemv(64, 128, 1, 4), torch.device(CUDA), pm.REPORT_LAYOUTS["mxfp4"][0])
+
+
 def test_runs_on(gpu):
     cuda, cfgs = torch.device(CUDA), [pm.PackedGemv(64, 128, 1, 4), f8.Fp8Mma(64, 128, 1), f4.Fp4Mma(128, 1)]
     assert all(dm.runs_on(c, torch.device("cpu")) for c in cfgs)
@@ -170,4 +217,5 @@ def test_untimed_choice_runs_on_ampere(name):
     lay = pm.REPORT_LAYOUTS[name][0]
     for M in (1, 2, 4, 8, 16, 32, 64, 2048):
         cfg = dm.select_config(M, 4096, 4096, 1, 132, lay.to_text())
-        assert dm.min_capability(cfg) <= (ADA if lay.value == "fp8" else AMPERE), (name, M, cfg)
+        fp8 = "fp8" in (lay.value, lay.scale_enc)
+        assert dm.min_capability(cfg, lay) <= (ADA if fp8 else AMPERE), (name, M, cfg)

@@ -240,21 +240,48 @@ def _generated_candidates(M: int, N: int, K: int, batch: int, sms: int) -> list[
     return [DequantConfig()]
 
 
-def min_capability(cfg) -> tuple[int, int]:
-    """The oldest GPU (compute capability) whose compiler takes ``cfg``'s kernel: TMA descriptors and the FP4
-    tables' packed bf16 scale multiply (``mul.rn.bf16x2``) need Hopper, FP8 -> f16 conversions Ada; the rest
-    (bf16 MMAs, ``lop3`` / ``prmt`` decodes) Ampere. FP8 formats are declined below sm_89 by the pattern."""
+def min_capability(cfg, lay: PackedLayout | None = None) -> tuple[int, int]:
+    """The oldest GPU (compute capability) whose compiler takes ``cfg``'s kernel for weights of layout ``lay``
+    (None: not a known format): TMA descriptors and the FP4 tables' packed bf16 scale multiply
+    (``mul.rn.bf16x2``) are taken as Hopper's, FP8 values or E4M3 scales (FP8 formats, NVFP4) need Ada's
+    conversions; the rest (bf16 MMAs, ``lop3`` / ``prmt`` decodes) Ampere. (The patterns decline FP8 decodes
+    below sm_89 too.)"""
     if isinstance(cfg, (f4.Fp4Mma, f4s.Fp4MmaSync)) or getattr(cfg, "tma", False):
         return device_info.HOPPER
-    if isinstance(cfg, f8.Fp8Mma):
+    if isinstance(cfg, f8.Fp8Mma) or (lay is not None and "fp8" in (lay.value, lay.scale_enc)):
         return device_info.FP8_CAPABILITY
     return device_info.MIN_CAPABILITY
 
 
-def runs_on(cfg, device: torch.device) -> bool:
+def runs_on(cfg, device: torch.device, lay: PackedLayout | None = None) -> bool:
     """Whether ``cfg``'s kernel compiles for ``device`` (always on CPU and under the interpreter)."""
     cap = device_info.capability(device)
-    return cap is None or cap >= min_capability(cfg)
+    return cap is None or cap >= min_capability(cfg, lay)
+
+
+def device_candidates(M: int, N: int, K: int, batch: int, layout: str, x_dtype: torch.dtype,
+                      device: torch.device) -> list:
+    """``candidates`` whose kernels compile for ``device``: what ``tuned_config`` times there."""
+    lay = PackedLayout.from_text(layout) if layout else None
+    return [c for c in candidates(M, N, K, batch, sm_count(device), layout, x_dtype) if runs_on(c, device, lay)]
+
+
+def untimed_config(M: int, N: int, K: int, batch: int, layout: str, device: torch.device):
+    """``select_config``'s choice where nothing can be timed (a CUDA graph capture), or, where its kernel
+    does not compile for ``device``, the first candidate that does."""
+    cfg = select_config(M, N, K, batch, sm_count(device), layout)
+    if runs_on(cfg, device, PackedLayout.from_text(layout) if layout else None):
+        return cfg
+    cands = device_candidates(M, N, K, batch, layout, None, device)
+    return cands[0] if cands else cfg
+
+
+def check_runs_on(cfg, device: torch.device, lay: PackedLayout | None = None) -> None:
+    """ValueError where ``cfg``'s kernel does not compile for ``device``."""
+    if not runs_on(cfg, device, lay):
+        cap, have = min_capability(cfg, lay), device_info.capability(device)
+        raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs sm_{cap[0]}{cap[1]} or newer for this "
+                         f"layout, {device} is sm_{have[0]}{have[1]}")
 
 
 _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured config
@@ -269,13 +296,12 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
     key = (text, layout, bucket, batch, x.device)
     if key in _tuned:
         return _tuned[key]
-    sms = sm_count(x.device)
-    cands = [c for c in candidates(bucket, prog.N, prog.K, batch, sms, layout, x.dtype) if runs_on(c, x.device)]
+    cands = device_candidates(bucket, prog.N, prog.K, batch, layout, x.dtype, x.device)
     if len(cands) == 1:
         _tuned[key] = cands[0]
         return cands[0]
     if torch.cuda.is_current_stream_capturing():
-        return select_config(M, prog.N, prog.K, batch, sms, layout)
+        return untimed_config(M, prog.N, prog.K, batch, layout, x.device)
     # Each candidate is checked on rows drawn here (the caller's may hold NaN or zeros) against the
     # decode-once path: the generated decode kernel and cuBLAS, one weight in x's dtype of memory.
     probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
@@ -848,10 +874,7 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
             raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs a packed layout and a 2-D weight")
-        if not runs_on(cfg, x.device):
-            cap = min_capability(cfg)
-            raise ValueError(f"decode_mm_triton: {type(cfg).__name__} needs sm_{cap[0]}{cap[1]} or newer, "
-                             f"{x.device} is sm_{''.join(map(str, device_info.capability(x.device)))}")
+        check_runs_on(cfg, x.device, lay)
         ws = None
         if workspace is not None and isinstance(cfg, _PACKED_TILES):
             ws_dtype = torch.float32 if cfg.SPLIT_K > 1 else x.dtype

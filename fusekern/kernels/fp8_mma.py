@@ -117,7 +117,7 @@ def fp8_mma_kernel(
     m2 = offs_m[None, :]
     mask = (n2 < N) & (m2 < M)
     if SPLIT_K > 1:  # the tile's last program sums the partials (``split_k``)
-        last, acc = add_partials(acc, ws_ptr, m2.to(tl.int64) * N + n2, tl.cast(M * N, tl.int64), pid_k, mask,
+        last, acc = add_partials(acc, ws_ptr, m2.to(tl.int64) * N + n2, tl.cast(M, tl.int64) * N, pid_k, mask,
                                  cnt_ptr + pid_n, SPLIT_K)
         if last:
             _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)

@@ -41,6 +41,7 @@ from fusekern.kernels.int4_mma import (_bf16_rounded, _load_words_nc, _minus_zer
                                        check_group_leaves, check_rows_and_bias, split_buffers)
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.kernels.split_k import add_partials
 from fusekern.patterns.decode.layout import PackedLayout
 
 GROUP = 128       # scale / zero groups along K
@@ -269,16 +270,10 @@ def int4_mma_n_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                     pid_k * TILES // SPLIT_K, (pid_k + 1) * TILES // SPLIT_K,
                     K, NW, ZMODE, C, SZK, SZN, ZORD, SSK, SSN, ASM, PREFETCH, SCALE_FIRST, TMA)
     omask = mmask[None, :] & nmask[:, None]
-    if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + ln[:, None], acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the count (release below)
-        cnt = cnt_ptr + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tot = tl.zeros((256, BLOCK_M), dtype=tl.float32)
-            for sk in range(SPLIT_K):  # split order: deterministic; L2 reads (.cg): written by other SMs
-                tot += tl.load(ws_ptr + (sk * M + offs_m[None, :]) * N + ln[:, None], mask=omask, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if SPLIT_K > 1:  # the tile's last program sums the partials (``split_k``)
+        last, tot = add_partials(acc, ws_ptr, offs_m[None, :] * N + ln[:, None], M * N, pid_k, omask,
+                                 cnt_ptr + pid_n, SPLIT_K)
+        if last:
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + lc).to(tl.float32)[:, None]
             tl.store(out_ptr + offs_m[None, :] * N + ln[:, None], _round_to(tot, out_ptr, ASM), mask=omask)

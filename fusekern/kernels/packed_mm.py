@@ -381,7 +381,7 @@ def _gemv_finish(out, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, m
     """A GEMV program's epilogue; split K: the last of a row tile's programs sums the partials (``split_k``,
     one counter per row and column tile)."""
     if SPLIT_K > 1:
-        last, out = add_partials(out, ws_ptr, m.to(tl.int64) * N + offs_n, tl.cast(M * N, tl.int64), pid_k,
+        last, out = add_partials(out, ws_ptr, m.to(tl.int64) * N + offs_n, tl.cast(M, tl.int64) * N, pid_k,
                                  offs_n < N, cnt_ptr + m * tl.num_programs(0) + pid_n, SPLIT_K)
         if last:
             _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, stride_on, HAS_GLOBAL,

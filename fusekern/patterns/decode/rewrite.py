@@ -18,7 +18,7 @@ from fusekern.patterns.decode.analysis import (
 )
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.layout import derive_layout
-from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.patterns.decode.program import FP8_DTYPES, DecodeProgram
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -62,11 +62,12 @@ def plan(mm: Node) -> tuple[Cone, DecodeProgram]:
         raise Unsupported(f"activation dtype {xv.dtype} (fp16 / bf16 / fp32 only)")
     if xv.device.type not in ("cpu", "cuda"):
         raise Unsupported(f"activation on {xv.device}")
-    fp8 = any(_val(leaf).dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for leaf in cone.leaves)
+    prog = analyse(cone)
+    # FP8 values anywhere in the decode (leaves stored as fp8, or uint8 bitcast with .view(float8)) need sm_89
+    fp8 = any(v.dtype in FP8_DTYPES for v in (*prog.leaves, *prog.instrs))
     reason = device_info.unsupported(xv.device, fp8=fp8)
     if reason is not None:
         raise Unsupported(reason)
-    prog = analyse(cone)
     if prog.dtype != xv.dtype:
         raise Unsupported(f"the decoded weight is {prog.dtype}, the activation {xv.dtype}")
     for leaf in cone.leaves:
