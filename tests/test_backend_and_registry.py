@@ -200,3 +200,94 @@ def test_cli_check_prints_a_table():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "w8a16_linear_scale" in proc.stdout and " 0 failed" in proc.stdout
+
+
+def test_a_user_pattern_cannot_take_a_builtin_name_before_the_builtins_load():
+    """The built-ins load lazily (at the first compile); registering one of their names first once succeeded
+    and then broke every compile of the process."""
+    code = (
+        "import torch, fusekern\n"
+        "spec = dict(x=fusekern.T('M', 'K', dtype=torch.float32), w=fusekern.T('N', 'K', dtype=torch.float32))\n"
+        "mm = lambda x, w: x @ w.t()\n"
+        "try:\n"
+        "    fusekern.register_pattern('w8a16_linear_scale', lambda x, w: x @ w.t(), lambda x, w: x @ w.t(), inputs=spec)\n"
+        "except fusekern.PatternError as e:\n"
+        "    print('refused:', e)\n"
+        "f = lambda x, w, s: torch.nn.functional.linear(x, w.to(x.dtype)) * s\n"
+        "x = torch.randn(3, 32, dtype=torch.bfloat16); w = torch.randint(-9, 9, (16, 32), dtype=torch.int8)\n"
+        "torch.compile(f, backend='fusekern')(x, w, torch.rand(16))\n"
+        "print(dict(fusekern.match_report().fired()))\n"
+    )
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: pattern 'w8a16_linear_scale': a pattern of that name is already registered" in proc.stdout
+    assert "{'w8a16_linear_scale': 1}" in proc.stdout
+
+
+def test_registration_arguments_are_checked():
+    def bad(**kw):
+        args = dict(inputs=SPEC) | kw
+        return fusekern.register_pattern("bad_args", _mm, _mm, **args)
+
+    with pytest.raises(fusekern.PatternError, match="'bad_args': check must be a function"):
+        bad(check="s must be 1-D")
+    with pytest.raises(fusekern.PatternError, match=r"'bad_args': dtypes\['act'\] must be a non-empty tuple"):
+        bad(inputs=dict(x=fusekern.T("M", "K", dtype="act"), w=fusekern.T("N", "K", dtype=torch.float32)),
+            dtypes={"act": ()})
+    with pytest.raises(fusekern.PatternError, match="'bad_args': tolerance must map torch dtypes"):
+        bad(tolerance={"float32": 1e-3})
+    with pytest.raises(fusekern.PatternError, match="'bad_args': input 'w' must be a fusekern.T"):
+        bad(inputs=dict(x=fusekern.T("M", "K", dtype=torch.float32), w=(3, 4)))
+    with pytest.raises(fusekern.PatternError, match="'bad_args': inputs must be a dict"):
+        bad(inputs=None)
+    assert "bad_args" not in {p.name for p in all_patterns()}
+
+
+def test_a_check_that_raises_declines_with_the_reason():
+    name = "user_broken_check"
+    fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC, check=lambda v: v["nope"])
+    try:
+        x, w = torch.randn(5, 12), torch.randn(7, 12)
+        assert_compiled(_mm, (x, w), fired={}, options={"fusekern.enable": [name]})
+        assert any("check raised KeyError" in r.reason for r in fusekern.match_report().rejections())
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+def test_option_values_are_checked():
+    with pytest.raises(TypeError, match="fusekern.enable must be a list of names"):
+        FusekernOptions.parse({"fusekern.enable": 5})
+    with pytest.raises(TypeError, match="fusekern.debug must be True or False"):
+        FusekernOptions.parse({"fusekern.debug": "false"})
+    with pytest.raises(TypeError, match="fusekern.dump_dir must be a path"):
+        FusekernOptions.parse({"fusekern.dump_dir": 3})
+
+
+def test_harness_arguments_cannot_make_a_check_vacuous():
+    with pytest.raises(ValueError, match="layouts must be a non-empty list"):
+        check_pattern("w8a16_linear_scale", layouts="contiguous")
+    with pytest.raises(ValueError, match="layouts must be a non-empty list"):
+        check_pattern("w8a16_linear_scale", layouts=[])
+    with pytest.raises(TypeError, match="pass a pattern or its name"):
+        check_pattern(5)
+    x, w = torch.randn(5, 12), torch.randn(7, 12)
+    with pytest.raises(ValueError, match="'aten.mm' is not an op overload name"):
+        assert_compiled(_mm, (x, w), gone=["aten.mm"])
+
+
+def test_assert_compiled_fails_on_nan_where_eager_has_a_number():
+    from fusekern.testing import rel_err
+
+    nan = float("nan")
+    assert rel_err(torch.tensor([1.0, nan]), torch.tensor([1.0, nan])) == 0.0
+    assert rel_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, nan])) == float("inf")
+    assert rel_err(torch.tensor([0.0, nan]), torch.tensor([1.0, nan])) == 1.0
+    name = "user_zeros"  # a wrong replacement: zeros, which eager's NaN used to hide (rel_err was NaN)
+    fusekern.register_pattern(name, _mm, lambda x, w: torch.zeros_like(torch.mm(x, w.t())), inputs=SPEC)
+    try:
+        x, w = torch.randn(5, 12), torch.randn(7, 12)
+        x[0, 0] = nan
+        with pytest.raises(AssertionError, match="compiled output differs from eager"):
+            assert_compiled(_mm, (x, w), options={"fusekern.enable": [name]})
+    finally:
+        fusekern.unregister_pattern(name)

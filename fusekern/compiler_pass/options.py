@@ -47,15 +47,19 @@ class FusekernOptions:
                 value = ours[key]
                 if isinstance(value, str):
                     value = [value]
-                if not all(isinstance(v, str) for v in value):
+                if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
                     raise TypeError(f"fusekern: option {PREFIX + key} must be a list of names, got {value!r}")
                 ours[key] = tuple(value)
+        if not isinstance(ours.get("debug", False), bool):
+            raise TypeError(f"fusekern: option {PREFIX}debug must be True or False, got {ours['debug']!r}")
+        if ours.get("dump_dir") is not None and not isinstance(ours["dump_dir"], (str, os.PathLike)):
+            raise TypeError(f"fusekern: option {PREFIX}dump_dir must be a path, got {ours['dump_dir']!r}")
         env_dump = os.environ.get("FUSEKERN_DUMP_GRAPHS") or None
         return cls(
             enable=ours.get("enable"),
             disable=ours.get("disable") or (),
-            debug=bool(ours.get("debug", False)),
-            dump_dir=ours.get("dump_dir") or env_dump,
+            debug=ours.get("debug", False),
+            dump_dir=os.fspath(ours["dump_dir"]) if ours.get("dump_dir") else env_dump,
             inductor=inductor,
         )
 

@@ -122,7 +122,11 @@ class Pattern:
         """None when the pattern may fire on these (fake) inputs, else the reason it may not."""
         if self.check is None:
             return None
-        verdict = self.check(values)
+        try:
+            verdict = self.check(values)
+        except Exception as e:  # noqa: BLE001 - a broken check declines (the graph stays), with the reason
+            log.warning("fusekern: the check of pattern %r raised %s: %s", self.name, type(e).__name__, e)
+            return f"the pattern's check raised {type(e).__name__}: {e}"
         if verdict is None or verdict is True:
             return None
         if verdict is False:
@@ -227,11 +231,16 @@ def register_pattern(
                              tolerance=tolerance, description=description)
             return fn
         return decorator
+    if not isinstance(inputs, Mapping):
+        raise PatternError(f"pattern {name or getattr(search, '__name__', search)!r}: inputs must be a dict of "
+                           f"parameter name -> fusekern.T(...), got {type(inputs).__name__}")
     pattern = Pattern(
         name=name or search.__name__, search=search, replacement=replacement, inputs=dict(inputs),
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
     )
+    if getattr(search, "__module__", None) not in BUILTIN_MODULES:
+        load_patterns()  # the built-ins first: a user pattern must not take one of their names
     with _registry_lock:
         if pattern.name in _patterns:
             raise PatternError(f"pattern {pattern.name!r}: a pattern of that name is already registered")
@@ -251,6 +260,22 @@ def validate(p: Pattern) -> None:
     """Registration-time checks; every failure names the pattern and the variant."""
     if p.replacement is None or not callable(p.search) or not callable(p.replacement):
         raise PatternError(f"pattern {p.name!r}: search and replacement must be callables")
+    if p.check is not None and not callable(p.check):
+        raise PatternError(f"pattern {p.name!r}: check must be a function of the matched inputs (returning None "
+                           f"or a reason), got {type(p.check).__name__}")
+    for name, spec in p.inputs.items():
+        if not isinstance(spec, TensorSpec):
+            raise PatternError(f"pattern {p.name!r}: input {name!r} must be a fusekern.T(...) spec, got "
+                               f"{type(spec).__name__}")
+    for key, values in p.dtypes.items():
+        if isinstance(values, (str, torch.dtype)) or not values or \
+                not all(isinstance(d, torch.dtype) for d in values):
+            raise PatternError(f"pattern {p.name!r}: dtypes[{key!r}] must be a non-empty tuple of torch dtypes, "
+                               f"got {values!r}")
+    for dtype, tol in p.tolerance.items():
+        if not isinstance(dtype, torch.dtype) or not isinstance(tol, (int, float)) or not tol > 0:
+            raise PatternError(f"pattern {p.name!r}: tolerance must map torch dtypes to positive numbers, got "
+                               f"{dtype!r}: {tol!r}")
     if p.family not in FAMILIES:
         raise PatternError(f"pattern {p.name!r}: family must be one of {FAMILIES}, got {p.family!r}")
     if p.stage not in STAGES:

@@ -8,18 +8,25 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fusekern.patterns.registry import Pattern, compute_dtype, get_pattern
+from fusekern.patterns.registry import GraphRewrite, Pattern, compute_dtype, get_pattern
 from fusekern.patterns.spec import make_inputs, random_sizes
 
 LAYOUTS = ("contiguous", "noncontiguous", "misaligned")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64; inf on NaN or shape mismatch; 0 for two empty tensors."""
+    """``||out - ref|| / ||ref||`` in float64 over the finite elements of ``ref``; inf on a shape mismatch or
+    where NaN / +-inf do not sit at the same places (with the same sign) in both; 0 for two empty tensors."""
     if out.shape != ref.shape:
         return float("inf")
     out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
-    if torch.isnan(out64).any() and not torch.isnan(ref64).any():
+    finite = torch.isfinite(ref64)
+    if not finite.all():  # non-finite values must agree exactly: NaN with NaN, inf with inf of the same sign
+        if not torch.equal(torch.isnan(out64), torch.isnan(ref64)) or \
+                not torch.equal(out64[torch.isinf(ref64)], ref64[torch.isinf(ref64)]):
+            return float("inf")
+        out64, ref64 = out64[finite], ref64[finite]
+    if not torch.isfinite(out64).all():
         return float("inf")
     denom = ref64.norm().item()
     num = (out64 - ref64).norm().item()
@@ -92,6 +99,10 @@ def check_pattern(
     layouts: Sequence[str] = LAYOUTS,
 ) -> CheckResult:
     """Compare replacement against a float64 run of the search function on random inputs."""
+    if not isinstance(pattern, (str, Pattern, GraphRewrite)):
+        raise TypeError(f"check_pattern: pass a pattern or its name, got {type(pattern).__name__}")
+    if isinstance(layouts, str) or not layouts or any(lay not in LAYOUTS for lay in layouts):
+        raise ValueError(f"check_pattern: layouts must be a non-empty list of {LAYOUTS}, got {layouts!r}")
     p = get_pattern(pattern) if isinstance(pattern, str) else pattern
     if not isinstance(p, Pattern):
         raise TypeError(f"check_pattern: {p.name!r} is a structural rewrite, not a search/replacement pattern; "
@@ -169,6 +180,8 @@ def assert_compiled(
     """
     import fusekern
 
+    for op in (*gone, *present):
+        _check_op_name(op)
     capture = GraphCapture()
     opts = dict(options or {})
     opts["post_grad_custom_post_pass"] = capture
@@ -182,7 +195,7 @@ def assert_compiled(
         t = tol if tol is not None else _default_tol(want, *call_args)
         err = rel_err(got, want)
         errors.append(err)
-        if got.dtype != want.dtype or err > t:
+        if got.dtype != want.dtype or not err <= t:  # (NaN fails)
             raise AssertionError(f"compiled output differs from eager: rel_err={err:.3g} (tolerance {t:.3g}), "
                                  f"dtype {got.dtype} vs {want.dtype}, shapes {tuple(got.shape)} vs {tuple(want.shape)}")
     report = fusekern.match_report()
@@ -199,6 +212,18 @@ def assert_compiled(
         if op not in targets:
             raise AssertionError(f"{op} is not in the compiled graph:\n" + "\n".join(capture.graphs))
     return CompiledCheck(counts, capture.graphs, targets, errors)
+
+
+def _check_op_name(name: str) -> None:
+    """ValueError unless ``name`` is an op overload as the graph names it (``"aten.mm.default"``): a misspelt or
+    partial name would never be in the graph, and ``gone=`` would pass whatever the compile did."""
+    parts = name.split(".") if isinstance(name, str) else []
+    try:
+        if len(parts) != 3:
+            raise AttributeError
+        getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"assert_compiled: {name!r} is not an op overload name such as 'aten.mm.default'") from None
 
 
 def _default_tol(*tensors) -> float:
