@@ -229,3 +229,10 @@ def test_gpu_every_fp8_value_converts_exactly():
     ks = torch.ones(B, 1, S, device="cuda")
     out = F.fp8_kv_decode_attention(q, k8, ks, v8, torch.ones(1, device="cuda"), 1.0, num_splits=2)
     assert torch.equal(out[:, 0, 0].float(), v8[torch.arange(B), 0, torch.arange(B)].float())
+
+
+def test_v_scale_on_another_device_is_refused_or_one_value_moved():
+    with pytest.raises(ValueError, match="v_scale is on meta"):  # (was read as if on q's device: garbage out)
+        F.per_head_v_scale(torch.rand(2, device="meta"), 1, 2, torch.device("cpu"))
+    one = F.per_head_v_scale(torch.tensor(0.5), 3, 2, torch.device("meta"))  # one value: moved, as eager takes it
+    assert one.device.type == "meta" and one.shape == (3, 2)

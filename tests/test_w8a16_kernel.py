@@ -112,6 +112,13 @@ def test_empty_and_bad_input():
         k.w8a16_linear_triton(x[:, :8], w, s)
     with pytest.raises(TypeError, match="fp16 or bf16"):
         k.w8a16_linear_triton(x.float(), w, s)
+    op = torch.ops.fusekern.w8a16_linear
+    with pytest.raises(TypeError, match="out_dtype must be fp16, bf16, fp32 or fp64"):
+        op(x, w, s, None, torch.int8)
+    with pytest.raises(TypeError, match="scale must be fp16, bf16, fp32 or fp64"):
+        op(x, w, s.to(torch.complex64), None, torch.bfloat16)  # (its imaginary part was dropped)
+    with pytest.raises(TypeError, match="x must be fp16, bf16, fp32 or fp64"):
+        op(x.to(torch.float8_e4m3fn), w, s, None, torch.bfloat16)
 
 
 def test_custom_op_opcheck():

@@ -799,6 +799,8 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         _LEAVES_OK.put((text, x.device), leaves, True)
     if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
         raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
+    if bias is not None and bias.device != x.device:
+        raise ValueError(f"decode_mm: bias is on {bias.device}, x on {x.device}")
 
 
 def _check_leaves(x: torch.Tensor, leaves, specs) -> None:

@@ -446,6 +446,10 @@ def per_head_v_scale(v_scale, B: int, Hkv: int, device=None) -> torch.Tensor:
         v_scale = torch.tensor(float(v_scale), dtype=torch.float32, device=device)
     if v_scale.dtype not in SCALE_DTYPES:
         raise ValueError(f"fp8_kv_decode_attention: v_scale must be fp32, bf16 or fp16, got {v_scale.dtype}")
+    if device is not None and v_scale.device != torch.device(device):
+        if v_scale.numel() == 1 and v_scale.device.type == "cpu":  # one value, as eager takes it
+            return v_scale.to(device=device).reshape(1, 1).expand(B, Hkv)
+        raise ValueError(f"fp8_kv_decode_attention: v_scale is on {v_scale.device}, q on {device}")
     shape = tuple(v_scale.shape)
     if v_scale.numel() == 1:
         return v_scale.reshape(1, 1).expand(B, Hkv)

@@ -149,6 +149,45 @@ def warps_for(B: int, device: torch.device) -> int:
     return 8 if B < sm_count(device) else 4
 
 
+def check_args(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> None:
+    """ValueError / TypeError for arguments the op does not take (every path checks the same). Banned ids are
+    not range-checked (that would read them back from the GPU on every call): ids outside [-V, V) ban nothing,
+    where ``scatter`` would raise."""
+    if logits.dim() != 2:
+        raise ValueError(f"masked_argmax: logits must be [B, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in _TL:
+        raise TypeError(f"masked_argmax: logits must be bf16/fp16/fp32, got {logits.dtype}")
+    B, V = logits.shape
+    if B > 0 and V == 0:
+        raise ValueError("masked_argmax: an empty vocabulary (V == 0) has no argmax")
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or not (temperature.numel() == 1 or tuple(temperature.shape) == (B, 1)):
+            raise ValueError(f"masked_argmax: temperature must be a float tensor of one value or [B, 1] = [{B}, 1], "
+                             f"got {temperature.dtype} {tuple(temperature.shape)}")
+    elif temperature is not None and not isinstance(temperature, (int, float)):
+        raise TypeError(f"masked_argmax: temperature must be a number or a tensor, got {type(temperature).__name__}")
+    if banned is not None:
+        if banned.dtype not in (torch.int32, torch.int64) or banned.dim() not in (1, 2) or \
+                (banned.dim() == 2 and banned.shape[0] not in (1, B)):
+            raise ValueError(f"masked_argmax: banned must be int32 / int64 ids [n] or [B, n] (B = {B}), got "
+                             f"{banned.dtype} {tuple(banned.shape)}")
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() not in (1, 2) or mask.shape[-1] != V or \
+                (mask.dim() == 2 and mask.shape[0] not in (1, B)):
+            raise ValueError(f"masked_argmax: mask must be bool [V] or [B, V] = [{B}, {V}], got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+    _check_devices(logits, temperature, banned, mask)
+
+
+def _check_devices(logits, temperature, banned, mask) -> None:
+    """Every tensor on the logits' device (a temperature may be one value on the CPU)."""
+    for name, t in (("temperature", temperature), ("banned", banned), ("mask", mask)):
+        if isinstance(t, torch.Tensor) and t.device != logits.device and not (name == "temperature" and t.numel() == 1
+                                                                            and t.device.type == "cpu"):
+            raise ValueError(f"masked_argmax: {name} is on {t.device}, logits on {logits.device}")
+
+
 def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
                          warps: int | None = None) -> torch.Tensor:
@@ -156,6 +195,9 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
     ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
     about two per SM); warps: of each program (default: see warps_for)."""
+    check_args(logits, temperature, banned, mask)
+    if isinstance(temperature, torch.Tensor) and temperature.device != logits.device:
+        temperature = float(temperature.item())  # one value on the CPU (check_args): a kernel argument
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -235,6 +277,7 @@ def _masked_argmax_cuda(logits, temperature, temperature_scalar, banned, mask):
 
 @torch.library.impl("fusekern::masked_argmax", "CPU")
 def _masked_argmax_cpu(logits, temperature, temperature_scalar, banned, mask):
+    check_args(logits, temperature, banned, mask)
     return masked_argmax_reference(logits, _temperature(temperature, temperature_scalar), banned, mask)
 
 
@@ -242,6 +285,7 @@ def _masked_argmax_cpu(logits, temperature, temperature_scalar, banned, mask):
 def _masked_argmax_fake(logits, temperature, temperature_scalar, banned, mask):
     if logits.dim() != 2:
         raise ValueError(f"masked_argmax: logits must be [B, V], got shape {tuple(logits.shape)}")
+    _check_devices(logits, temperature, banned, mask)  # (a call mixing devices with meta dispatches here)
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 

@@ -786,6 +786,20 @@ def _sample_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 
+def check_args(logits: torch.Tensor, seed: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
+    """The sampler's checks of what every path takes alike (the Triton kernel, the CPU op)."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"sample: logits must be bf16/fp16/fp32, got {logits.dtype}")
+    if logits.shape[0] > 0 and logits.shape[1] == 0:
+        raise ValueError("sample: cannot sample from an empty vocabulary (V == 0)")
+    if seed is not None and (seed.numel() != 1 or seed.dtype != torch.int64):
+        raise ValueError(f"sample: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
+    if out_dtype not in (None, torch.int64, torch.int32):
+        raise ValueError(f"sample: out_dtype must be int64 or int32, got {out_dtype}")
+
+
 def _row_arg(value, B: int, device, what: str, cast):
     """(tensor, stride, scalar) for a kernel parameter given as a number or a tensor of 1 or B values.
 
@@ -862,12 +876,7 @@ def sample_triton(
     ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
     each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
     ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
-    if logits.dim() != 2:
-        raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
-    if logits.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"sample: logits must be bf16/fp16/fp32, got {logits.dtype}")
-    if seed is not None and (seed.numel() != 1 or seed.dtype != torch.int64):
-        raise ValueError(f"sample: seed must be one int64 value, got {seed.dtype} {tuple(seed.shape)}")
+    check_args(logits, seed)
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -875,8 +884,6 @@ def sample_triton(
         raise ValueError(f"sample: out must be int64 or int32 ({B},), got {out.dtype} {tuple(out.shape)}")
     if B == 0:
         return out
-    if V == 0:
-        raise ValueError("sample: cannot sample from an empty vocabulary (V == 0)")
     if V >= 2**31 // 2:
         raise ValueError(f"sample: V = {V} is too large for 32-bit token offsets")
     if noise is not None and (noise.shape != (B, V) or noise.dtype != torch.float32 or not noise.is_contiguous()):
@@ -1124,8 +1131,14 @@ def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, t
 @torch.library.impl("fusekern::sample", "CPU")
 def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
                 min_p, min_p_scalar, seed, out_dtype=None):
+    check_args(logits, seed, out_dtype)
+    for what, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if value is not None:
+            _row_arg(value, logits.shape[0], logits.device, what, float)  # (its checks: 1 or B values, device)
     if seed is None:
         seed = torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=out_dtype or torch.int64)
     tokens = sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
                                             top_p_scalar, min_p, min_p_scalar), seed=seed)
     return tokens.to(out_dtype or torch.int64)

@@ -300,6 +300,14 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     devices = {t.device for t in (x, w, scale, bias) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"w8a16_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
+    for name, t in (("x", x), ("scale", scale), ("bias", bias)):  # real floating point values only
+        if t is not None and (not t.dtype.is_floating_point or t.dtype.itemsize == 1):
+            raise TypeError(f"w8a16_linear: {name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
+
+
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"w8a16_linear: out_dtype must be fp16, bf16, fp32 or fp64, got {out_dtype}")
 
 
 def w8a16_linear_triton(
@@ -492,6 +500,7 @@ torch.library.define(
 
 def _w8a16_linear_cuda(x, w, scale, bias, out_dtype):
     """``(x @ w.T) * scale + bias`` for int8 w, as one fused kernel."""
+    _check_out_dtype(out_dtype)
     if x.dtype in SUPPORTED_ACT_DTYPES:
         return w8a16_linear_triton(x, w, scale, bias, out_dtype)  # checks its arguments
     return _w8a16_linear_cpu(x, w, scale, bias, out_dtype)
@@ -503,6 +512,7 @@ torch.library.impl("fusekern::w8a16_linear", "CUDA")(_w8a16_linear_cuda)
 def _w8a16_linear_cpu(x, w, scale, bias, out_dtype):
     """fp32 accumulation, the same math as the kernel."""
     _check_args(x, w, scale, bias)
+    _check_out_dtype(out_dtype)
     out = (x.float() @ w.float().t()) * scale.float()
     if bias is not None:
         out = out + bias.float()
@@ -516,6 +526,7 @@ torch.library.impl("fusekern::w8a16_linear", "CPU")(_w8a16_linear_cpu)
 @torch.library.register_fake("fusekern::w8a16_linear")
 def _w8a16_linear_fake(x, w, scale, bias, out_dtype):
     _check_args(x, w, scale, bias)
+    _check_out_dtype(out_dtype)
     return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
