@@ -240,6 +240,10 @@ def test_registration_arguments_are_checked():
         bad(inputs=dict(x=fusekern.T("M", "K", dtype=torch.float32), w=(3, 4)))
     with pytest.raises(fusekern.PatternError, match="'bad_args': inputs must be a dict"):
         bad(inputs=None)
+    with pytest.raises(fusekern.PatternError, match="'bad_args': dims names 'Q', which no input's shape uses"):
+        bad(dims={"Q": fusekern.Dim(1, 8)})
+    with pytest.raises(TypeError, match="T: batch_dims must be a tuple"):
+        fusekern.T("M", "K", dtype=torch.float32, batch_dims=1)
     assert "bad_args" not in {p.name for p in all_patterns()}
 
 

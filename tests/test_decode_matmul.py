@@ -445,6 +445,8 @@ def test_kernel_rejects_bad_input():
         dm.decode_mm(torch.randn(2, prog.K, device=DEVICE), leaves, text, None)
     with pytest.raises(ValueError, match="leaf 0"):
         dm.decode_mm(torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE), [leaves[0][:1], *leaves[1:]], text, None)
+    with pytest.raises(ValueError, match="not a decode program's text"):
+        dm.decode_mm(torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE), leaves, "{" + text, None)
     with pytest.raises(ValueError, match="bias is on meta"):  # (was read as if it were x's: off by 2e38)
         dm.decode_mm(torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE), leaves, text,
                      torch.empty(prog.N, dtype=torch.bfloat16, device="meta"))

@@ -272,6 +272,10 @@ def validate(p: Pattern) -> None:
                 not all(isinstance(d, torch.dtype) for d in values):
             raise PatternError(f"pattern {p.name!r}: dtypes[{key!r}] must be a non-empty tuple of torch dtypes, "
                                f"got {values!r}")
+    named = {d for spec in p.inputs.values() for d in spec.shape if isinstance(d, str)}
+    for dim in p.dims:
+        if dim not in named:
+            raise PatternError(f"pattern {p.name!r}: dims names {dim!r}, which no input's shape uses ({sorted(named)})")
     for dtype, tol in p.tolerance.items():
         if not isinstance(dtype, torch.dtype) or not isinstance(tol, (int, float)) or not tol > 0:
             raise PatternError(f"pattern {p.name!r}: tolerance must map torch dtypes to positive numbers, got "

@@ -53,6 +53,14 @@ class TensorSpec:
 
 def T(*shape: str | int, dtype: torch.dtype | str, batch_dims: tuple[int, ...] = (0,), positive: bool = False) -> TensorSpec:
     """Shorthand: ``T("M", "K", dtype="act", batch_dims=(0, 1))``."""
+    if not all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in shape):
+        raise TypeError(f"T: dims must be names or ints, got {shape!r}")
+    if not isinstance(dtype, (torch.dtype, str)):
+        raise TypeError(f"T: dtype must be a torch dtype or a dtype variable's name, got {dtype!r}")
+    if not isinstance(batch_dims, (tuple, list)) or not batch_dims or \
+            not all(isinstance(b, int) and b >= 0 for b in batch_dims):
+        raise TypeError(f"T: batch_dims must be a tuple of counts of extra leading dims (e.g. (0, 1)), got "
+                        f"{batch_dims!r}")
     return TensorSpec(tuple(shape), dtype, tuple(batch_dims), positive)
 
 

@@ -272,7 +272,13 @@ def _dec(a: Any):
 
 @functools.lru_cache(maxsize=1024)
 def _parse(text: str) -> DecodeProgram:
-    doc = json.loads(text)
+    try:
+        doc = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a decode program's text ({type(e).__name__}: {e}): pass DecodeProgram.to_text()'s "
+                         "output") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a decode program's text: pass DecodeProgram.to_text()'s output")
     if doc.get("v") != FORMAT_VERSION:
         raise ValueError(f"decode program version {doc.get('v')!r}, expected {FORMAT_VERSION}")
     batch, k, n = doc["shape"]
