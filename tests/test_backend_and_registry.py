@@ -160,13 +160,19 @@ def test_entry_point_group_is_loaded(monkeypatch):
         name, value = "demo", "demo:register"
 
         def load(self):
-            return lambda: loaded.append(True)
+            def register():  # a registration function that registers (it once recursed into load_patterns)
+                loaded.append(True)
+                fusekern.register_pattern("ep_demo", _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC)
+            return register
 
     real = md.entry_points
     monkeypatch.setattr(md, "entry_points", lambda group=None, **kw: [EP()] if group == reg.ENTRY_POINT_GROUP else real(group=group, **kw))
     monkeypatch.setattr(reg, "_loaded", False)
-    reg.load_patterns()
-    assert loaded == [True]
+    try:
+        reg.load_patterns()
+        assert loaded == [True] and get_pattern("ep_demo").name == "ep_demo"
+    finally:
+        fusekern.unregister_pattern("ep_demo")
 
 
 # -- harness -----------------------------------------------------------------------------------

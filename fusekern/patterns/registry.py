@@ -198,6 +198,7 @@ def _source_of(fn) -> str:
 _patterns: dict[str, "Pattern | GraphRewrite"] = {}
 _registry_lock = threading.RLock()
 _loaded = False
+_loading = False  # inside load_patterns: registrations it triggers must not start it again
 
 
 def register_pattern(
@@ -239,7 +240,7 @@ def register_pattern(
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
     )
-    if getattr(search, "__module__", None) not in BUILTIN_MODULES:
+    if getattr(search, "__module__", None) not in BUILTIN_MODULES and not _loading:
         load_patterns()  # the built-ins first: a user pattern must not take one of their names
     with _registry_lock:
         if pattern.name in _patterns:
@@ -342,25 +343,29 @@ def _output_depends_on_inputs(graph: torch.fx.Graph) -> bool:
 
 def load_patterns() -> None:
     """Import the built-in pattern modules, then entry points of group ``fusekern.patterns`` (once)."""
-    global _loaded
+    global _loaded, _loading
     if _loaded:
         return
     with _registry_lock:
-        if _loaded:
+        if _loaded or _loading:
             return
-        for mod in BUILTIN_MODULES:
-            importlib.import_module(mod)
-        from importlib.metadata import entry_points
+        _loading = True
+        try:
+            for mod in BUILTIN_MODULES:
+                importlib.import_module(mod)
+            from importlib.metadata import entry_points
 
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                obj = ep.load()
-            except Exception as e:
-                raise ImportError(f"fusekern: entry point {ep.name!r} ({ep.value}) of group "
-                                  f"{ENTRY_POINT_GROUP!r} failed to load: {e}") from e
-            if callable(obj) and not inspect.ismodule(obj):
-                obj()  # a registration function
-        _loaded = True
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                try:
+                    obj = ep.load()
+                except Exception as e:
+                    raise ImportError(f"fusekern: entry point {ep.name!r} ({ep.value}) of group "
+                                      f"{ENTRY_POINT_GROUP!r} failed to load: {e}") from e
+                if callable(obj) and not inspect.ismodule(obj):
+                    obj()  # a registration function
+            _loaded = True
+        finally:
+            _loading = False
 
 
 def all_patterns() -> list[Pattern]:
