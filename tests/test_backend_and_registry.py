@@ -301,3 +301,22 @@ def test_assert_compiled_fails_on_nan_where_eager_has_a_number():
             assert_compiled(_mm, (x, w), options={"fusekern.enable": [name]})
     finally:
         fusekern.unregister_pattern(name)
+
+
+def test_pass_order_does_not_depend_on_import_order():
+    """Scale folding must run before the structural decode rewrite (it takes W8A8 forms the decode would read as
+    weight-only); importing dequant_matmul first (as a test module once did) registered it first."""
+    code = (
+        "import fusekern.patterns.dequant_matmul, fusekern.patterns.sampling\n"
+        "from fusekern.patterns.registry import all_patterns, BUILTIN_MODULES\n"
+        "import torch, fusekern\n"
+        "fusekern.register_pattern('user_mm', lambda x, w: x @ w.t(), lambda x, w: torch.mm(x, w.t()),\n"
+        "    inputs=dict(x=fusekern.T('M', 'K', dtype=torch.float32), w=fusekern.T('N', 'K', dtype=torch.float32)))\n"
+        "print(' '.join(p.name for p in all_patterns()))\n"
+    )
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr
+    names = proc.stdout.split()
+    assert names.index("scale_folding") < names.index("fp8_kv_attention") < names.index("decode_attention") \
+        < names.index("w8a16_linear_scale_bias") < names.index("decode_matmul") < names.index("sample") \
+        < names.index("greedy_mask") < names.index("user_mm") == len(names) - 1, names

@@ -14,7 +14,9 @@ import functools
 import hashlib
 import importlib
 import inspect
+import itertools
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -27,7 +29,8 @@ log = logging.getLogger("fusekern")
 
 FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
 STAGES = ("post_grad", "joint")
-# Order is priority within a stage. Scale folding comes first: it declines weight-only forms (16-bit
+# Order is priority within a stage (``all_patterns``, whatever order the modules were imported in). Scale folding
+# comes first: it declines weight-only forms (16-bit
 # activation, 8-bit or decoded weight) so the dequant family still sees them, and it must take W8A8
 # forms before the structural decode rewrite would read them as weight-only.
 BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.scale_folding_attention",
@@ -176,10 +179,14 @@ def register_rewrite(name: str, rewrite: Callable[[torch.fx.Graph], int], *, fam
         raise PatternError(f"rewrite {name!r}: family must be one of {FAMILIES}, got {family!r}")
     if r.stage not in STAGES:
         raise PatternError(f"rewrite {name!r}: stage must be one of {STAGES}, got {stage!r}")
+    origin = _registering_module()
+    if origin not in BUILTIN_MODULES and not _loading:
+        load_patterns()
     with _registry_lock:
         if name in _patterns:
             raise PatternError(f"rewrite {name!r}: a pattern of that name is already registered")
         _patterns[name] = r
+        _order[name] = _rank(origin)
     return r
 
 
@@ -199,6 +206,23 @@ _patterns: dict[str, "Pattern | GraphRewrite"] = {}
 _registry_lock = threading.RLock()
 _loaded = False
 _loading = False  # inside load_patterns: registrations it triggers must not start it again
+# name -> (rank of the registering module in BUILTIN_MODULES, or after them all for user code; registration
+# number): the order passes run in, whatever order test or user code imported the built-in modules
+_order: dict[str, tuple[int, int]] = {}
+_numbers = itertools.count()
+
+
+def _registering_module() -> str:
+    """The module whose code called ``register_*`` (the first frame outside this module)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "") if frame is not None else ""
+
+
+def _rank(module: str) -> tuple[int, int]:
+    rank = BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+    return rank, next(_numbers)
 
 
 def register_pattern(
@@ -240,13 +264,15 @@ def register_pattern(
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
     )
-    if getattr(search, "__module__", None) not in BUILTIN_MODULES and not _loading:
+    origin = _registering_module()
+    if origin not in BUILTIN_MODULES and not _loading:
         load_patterns()  # the built-ins first: a user pattern must not take one of their names
     with _registry_lock:
         if pattern.name in _patterns:
             raise PatternError(f"pattern {pattern.name!r}: a pattern of that name is already registered")
         validate(pattern)
         _patterns[pattern.name] = pattern
+        _order[pattern.name] = _rank(origin)
     log.debug("registered pattern %s (%s, %s)", pattern.name, pattern.family, pattern.stage)
     return pattern
 
@@ -255,6 +281,7 @@ def unregister_pattern(name: str) -> None:
     """Remove a pattern (tests and interactive use)."""
     with _registry_lock:
         _patterns.pop(name, None)
+        _order.pop(name, None)
 
 
 def validate(p: Pattern) -> None:
@@ -369,9 +396,11 @@ def load_patterns() -> None:
 
 
 def all_patterns() -> list[Pattern]:
+    """Every registered pattern and rewrite, in the order the passes run them: the built-in modules in
+    BUILTIN_MODULES' order (each in its registration order), then user patterns in theirs."""
     load_patterns()
     with _registry_lock:
-        return list(_patterns.values())
+        return sorted(_patterns.values(), key=lambda p: _order[p.name])
 
 
 def get_pattern(name: str) -> Pattern:
