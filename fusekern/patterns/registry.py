@@ -29,10 +29,10 @@ log = logging.getLogger("fusekern")
 
 FAMILIES = ("dequant_matmul", "scale_folding", "sampling", "user")
 STAGES = ("post_grad", "joint")
-# Order is priority within a stage (``all_patterns``, whatever order the modules were imported in). Scale folding
-# comes first: it declines weight-only forms (16-bit
-# activation, 8-bit or decoded weight) so the dequant family still sees them, and it must take W8A8
-# forms before the structural decode rewrite would read them as weight-only.
+# Order is priority within a stage (``all_patterns``, whatever order the modules were imported in). Scale
+# folding comes first: it declines weight-only forms (16-bit activation, 8-bit or decoded weight) so the
+# dequant family still sees them, and it must take W8A8 forms before the structural decode rewrite would
+# read them as weight-only.
 BUILTIN_MODULES = ("fusekern.patterns.scale_folding", "fusekern.patterns.scale_folding_attention",
                    "fusekern.patterns.decode_attention",  # after fp8_kv_attention, whose fp8 caches these are
                    "fusekern.patterns.dequant_matmul",
