@@ -262,7 +262,7 @@ def runs_on(cfg, device: torch.device, lay: PackedLayout | None = None) -> bool:
 def device_candidates(M: int, N: int, K: int, batch: int, layout: str, x_dtype: torch.dtype,
                       device: torch.device) -> list:
     """``candidates`` whose kernels compile for ``device``: what ``tuned_config`` times there."""
-    lay = PackedLayout.from_text(layout) if layout else None
+    lay = PackedLayout.from_text(layout)
     return [c for c in candidates(M, N, K, batch, sm_count(device), layout, x_dtype) if runs_on(c, device, lay)]
 
 
@@ -270,7 +270,7 @@ def untimed_config(M: int, N: int, K: int, batch: int, layout: str, device: torc
     """``select_config``'s choice where nothing can be timed (a CUDA graph capture), or, where its kernel
     does not compile for ``device``, the first candidate that does."""
     cfg = select_config(M, N, K, batch, sm_count(device), layout)
-    if runs_on(cfg, device, PackedLayout.from_text(layout) if layout else None):
+    if runs_on(cfg, device, PackedLayout.from_text(layout)):
         return cfg
     cands = device_candidates(M, N, K, batch, layout, None, device)
     return cands[0] if cands else cfg

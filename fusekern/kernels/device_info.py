@@ -35,24 +35,6 @@ def sm_count(device: torch.device | str | int | None = None) -> int:
     return count
 
 
-_pdl: dict[int, bool] = {}
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can use programmatic dependent launch (Hopper and later, compiled
-    kernels: a dependent grid starts while the one before it finishes, and waits for its results with
-    ``griddepcontrol.wait``). False on CPU and under the Triton interpreter. Cached per device index."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _pdl.get(index)
-    if ok is None:
-        with _lock:
-            ok = torch.cuda.get_device_capability(index)[0] >= 9
-            _pdl[index] = ok
-    return ok
-
-
 # The oldest GPU fusekern's kernels are built for: bf16 tensor cores and conversions (Ampere). FP8
 # conversions and MMAs need sm_89 (Ada, Hopper); TMA and packed bf16 multiplies (``mul.rn.bf16x2``) sm_90.
 MIN_CAPABILITY = (8, 0)
@@ -90,3 +72,11 @@ def unsupported(device: torch.device, fp8: bool = False) -> str | None:
     if fp8 and cap < FP8_CAPABILITY:
         return f"FP8 values on a GPU of sm_{cap[0]}{cap[1]}, older than sm_89 (no FP8 conversions or MMAs)"
     return None
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (Hopper and later, compiled
+    kernels: a dependent grid starts while the one before it finishes, and waits for its results with
+    ``griddepcontrol.wait``). False on CPU and under the Triton interpreter."""
+    cap = capability(device)
+    return cap is not None and cap >= HOPPER

@@ -4,8 +4,8 @@ Each of a column tile's SPLIT_K programs writes its fp32 partial to a workspace 
 itself in on the tile's counter (``split_counters``: one buffer per device and stream, zero between launches);
 the program that counts last reads every partial back in split order (deterministic), resets the counter for
 the next launch and finishes the tile. No reduction kernel, no second launch. Used by the tile kernels whose
-accumulator is one tensor (GEMV, ``int4_mma``, ``int4_mma_n``, ``fp4_mma``, ``fp8_mma``); the ``mma.sync`` kernels hold theirs
-as per-lane fragments and keep their own copy of the same steps (``int4_mma_sync.finish``).
+accumulator is one tensor (GEMV, ``int4_mma``, ``int4_mma_n``, ``fp4_mma``, ``fp8_mma``); the ``mma.sync``
+kernels hold theirs as per-lane fragments and keep their own copy of the same steps (``int4_mma_sync.finish``).
 """
 from __future__ import annotations
 
