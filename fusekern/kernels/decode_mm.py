@@ -18,6 +18,8 @@ Paths, chosen at run time by M (so dynamic M works); see ``select_config`` for t
 - A program of a recognized format comes with a ``PackedLayout``: the hand-tuned kernels of
   ``fusekern.kernels.packed_mm`` (GEMV, swap-AB tensor-core tile, decode + cuBLAS) are then candidates
   too, listed first; the tuner keeps whichever path measures fastest.
+- The computation the rewrite replaced, compiled by stock inductor (``decode_mm_stock.StockConfig``), is
+  timed with them: where it is the fastest, the op runs it (a replacement never loses to stock).
 Split-K partial sums go to an fp32 workspace and are summed in a fixed order (deterministic).
 Loads that read one element per aligned block of k (group scales, zero points) load one row per tile.
 """
@@ -44,6 +46,7 @@ from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import fp4_mma as f4
 from fusekern.kernels import fp4_mma_sync as f4s
+from fusekern.kernels import decode_mm_stock as stock
 from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
@@ -288,19 +291,22 @@ _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured 
 
 
 def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, layout: str = ""):
-    """The fastest of ``candidates`` for this program and M (rounded up to a power of two) whose output
-    agrees with the decode-once path's, measured on the first call and cached per device. While a CUDA
-    graph is being captured nothing can be timed: the cached choice, or ``select_config``, is used."""
+    """The fastest of ``candidates`` and the stock computation (``decode_mm_stock``) for this program and M
+    (rounded up to a power of two) whose output agrees with the decode-once path's, measured on the first
+    call and cached per device. While a CUDA graph is being captured nothing can be timed: the cached
+    choice, or ``select_config``, is used."""
     prog = DecodeProgram.from_text(text)
     bucket = next_power_of_2(M)
     key = (text, layout, bucket, batch, x.device)
     if key in _tuned:
         return _tuned[key]
     cands = device_candidates(bucket, prog.N, prog.K, batch, layout, x.dtype, x.device)
+    if stock.enabled():
+        cands.append(stock.StockConfig())
     if len(cands) == 1:
         _tuned[key] = cands[0]
         return cands[0]
-    if torch.cuda.is_current_stream_capturing():
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return untimed_config(M, prog.N, prog.K, batch, layout, x.device)
     # Each candidate is checked on rows drawn here (the caller's may hold NaN or zeros) against the
     # decode-once path: the generated decode kernel and cuBLAS, one weight in x's dtype of memory.
@@ -872,6 +878,10 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
+        if isinstance(cfg, stock.StockConfig) and not stock.ready(text, x, bias):
+            cfg = untimed_config(M, prog.N, prog.K, Bt, layout, x.device)  # a capture, with a shape not run before
+    if isinstance(cfg, stock.StockConfig):
+        return stock.stock_mm(text, x, leaves, bias)
     if isinstance(cfg, _PACKED_CONFIGS):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:
