@@ -16,11 +16,21 @@ from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import decode_mm_stock as stock
 from fusekern.patterns.decode.program import DecodeProgram
 from fusekern.testing import rel_err
-from fusekern.testing.decode_cones import decode_program
+from fusekern.patterns.decode.analysis import analyse, find_cone
+from fusekern.testing.decode_cones import decode_program, node_values, post_grad_graph
 from fusekern.testing.decode_zoo import BY_NAME
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def fresh_stock_state(monkeypatch):
+    """Each test starts with no compiled variant (conftest resets Dynamo between tests, which would count as
+    guard misses of the variants other tests compiled for the same program text)."""
+    monkeypatch.setattr(stock, "_COMPILED", {})
+    monkeypatch.setattr(stock, "_FRESH", {})
+    monkeypatch.setattr(stock, "_MISSED", set())
 
 
 def program(name: str, K: int = 256, N: int = 96, dtype=torch.bfloat16, device=DEVICE, seed=0):
@@ -73,6 +83,95 @@ def test_strided_activation():
     x = torch.randn(6, 512, dtype=torch.bfloat16)[:, 1::2]  # stride 2 along K, offset by one element
     assert not x.is_contiguous()
     assert rel_err(stock.stock_mm(text, x, leaves), dm.decode_mm_reference(x, leaves, text)) <= 1e-2
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["int8", "int4_pairs"])
+def test_batched_program(packed):
+    """A weight per batch entry (``bmm``: int8 experts, or two int4 per byte), with a bias of another dtype,
+    one row and an empty batch of rows."""
+    torch.manual_seed(8)
+    B, K, N = 3, 64, 40
+
+    def fn(x, wq, s):  # [B, K, N] codes (or [B, K / 2, N] bytes), per-expert-channel scales
+        w = torch.stack([wq & 15, wq >> 4], 2).reshape(B, K, N).to(x.dtype) - 8 if packed else wq.to(x.dtype)
+        return torch.bmm(x, w * s[:, None, :])
+
+    wq = torch.randint(0, 256, (B, K // 2, N), dtype=torch.uint8) if packed else \
+        torch.randint(-128, 128, (B, K, N), dtype=torch.int8)
+    s = torch.rand(B, N, dtype=torch.bfloat16) * 0.1 + 0.01
+    gm, inputs = post_grad_graph(fn, torch.randn(B, 5, K, dtype=torch.bfloat16), wq, s)
+    env = node_values(gm, inputs)
+    cone = find_cone(next(n for n in gm.graph.nodes if n.target == torch.ops.aten.bmm.default))
+    prog = analyse(cone)
+    text, leaves = prog.to_text(), [env[leaf] for leaf in cone.leaves]
+    assert prog.batch == B
+    leaves = prog.bind(leaves, torch.device("cpu"))
+    bias = torch.randn(N, dtype=torch.float32)
+    for M, b in ((5, None), (9, bias), (1, None), (0, bias)):
+        x = torch.randn(B, M, K, dtype=torch.bfloat16)
+        got = stock.stock_mm(text, x, leaves, b)
+        want = dm.decode_mm_reference(x, leaves, text, b)
+        assert got.shape == want.shape == (B, M, N) and got.dtype == x.dtype
+        assert M == 0 or rel_err(got, want) <= 1e-2, (packed, M)
+    x = torch.randn(B, 5, K, dtype=torch.bfloat16)
+    assert rel_err(stock.stock_mm(text, x, leaves), fn(x, wq, s)) <= 1e-2  # and the user's own graph
+
+
+def test_grad_and_inference_modes():
+    """Grad mode, inference mode and inference tensors: none raises, none compiles a variant again."""
+    text, leaves = program("int4_k_stack", device="cpu", seed=9)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    want = dm.decode_mm_reference(x, leaves, text)
+    for _ in range(2):
+        assert rel_err(stock.stock_mm(text, x, leaves), want) <= 1e-2
+        with torch.no_grad():
+            assert rel_err(stock.stock_mm(text, x, leaves), want) <= 1e-2
+        with torch.inference_mode():
+            xi = x.clone()
+            assert rel_err(stock.stock_mm(text, xi, leaves), want) <= 1e-2
+    assert not stock._FRESH
+
+
+def test_autocast_and_grad_do_not_change_the_result():
+    """The op ignores autocast (its kernels compute in the op's dtypes): so does the stock computation, and
+    leaves that require grad give a result that does not."""
+    text, leaves = program("awq", device="cpu", seed=10)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    want = stock.stock_mm(text, x, leaves)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(stock.stock_mm(text, x, leaves), want)
+    grads = [t.clone().requires_grad_(t.is_floating_point()) for t in leaves]
+    got = stock.stock_mm(text, x, grads)
+    assert not got.requires_grad and torch.equal(got, want)
+
+
+def test_a_variant_whose_guards_keep_missing_runs_a_kernel(monkeypatch):
+    """After torch._dynamo.reset() a compiled variant would compile again: it is traced and compiled anew,
+    up to FRESH_COMPILES times; then ``StockUnavailable``, and the op runs a kernel for it, with the right
+    result."""
+    monkeypatch.setattr(stock, "FRESH_COMPILES", 1)
+    text, leaves = program("gptq", device="cpu", seed=12)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    want = dm.decode_mm_reference(x, leaves, text)
+    assert rel_err(stock.stock_mm(text, x, leaves), want) <= 1e-2
+    assert rel_err(stock.stock_mm(text, x, leaves), want) <= 1e-2  # (no miss: the same graph)
+    assert not stock._FRESH
+    torch._dynamo.reset()
+    assert rel_err(stock.stock_mm(text, x, leaves), want) <= 1e-2  # compiled anew
+    assert list(stock._FRESH.values()) == [1]
+    torch._dynamo.reset()
+    with pytest.raises(stock.StockUnavailable):
+        stock.stock_mm(text, x, leaves)
+    assert rel_err(dm.decode_mm_triton(x, leaves, text, config=stock.StockConfig()), want) <= 1e-2
+    with pytest.raises(stock.StockUnavailable):  # remembered: no guard failure report on every call
+        stock.stock_mm(text, x, leaves)
+
+
+def test_caller_tensor_is_not_marked():
+    text, leaves = program("gptq", device="cpu", seed=11)
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    stock.stock_mm(text, x, leaves)
+    assert not getattr(x, "_dynamo_weak_dynamic_indices", None) and not getattr(x, "_dynamo_dynamic_indices", None)
 
 
 # ----------------------------------------------------------------------------- the tuner
@@ -142,28 +241,28 @@ def test_fallback_off_times_only_the_kernels(tuner, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_op_runs_the_stock_choice_and_captures_it(monkeypatch):
     """The op on a shape whose tuned choice is stock: the same result as the reference, also replayed from a
-    CUDA graph captured after a call with that shape; a shape not run before the capture takes a kernel."""
+    CUDA graph captured after a call of that variant; a capture under another grad mode (a variant not run
+    before: it would compile) takes a kernel, and so does one after a guard the variant key does not cover."""
     text, leaves = program("gptq", 1024, 512, device="cuda", seed=7)
     x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
     monkeypatch.setattr(dm, "_tuned", {(text, "", 64, 1, x.device): stock.StockConfig()})
     got = dm.decode_mm(x, leaves, text, None, "")
-    want = dm.decode_mm_reference(x, leaves, text)
-    assert rel_err(got, want) <= 1e-2
-    g = torch.cuda.CUDAGraph()
-    static_x = x.clone()
-    with torch.cuda.graph(g):
-        out = dm.decode_mm(static_x, leaves, text, None, "")
-    static_x.copy_(torch.randn_like(x))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, dm.decode_mm_reference(static_x, leaves, text)) <= 1e-2
-    # 48 rows share the 64-row bucket (stock) but were never run: the capture takes the untimed kernel
-    x48 = torch.randn(48, 1024, dtype=torch.bfloat16, device="cuda")
-    g2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g2):
-        out48 = dm.decode_mm(x48, leaves, text, None, "")
-    out48.fill_(float("nan"))
-    g2.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out48, dm.decode_mm_reference(x48, leaves, text)) <= 1e-2
+    assert rel_err(got, dm.decode_mm_reference(x, leaves, text)) <= 1e-2
+    compiled = len(stock._COMPILED)
+
+    def captured(rows, grad: bool):
+        static_x = torch.empty_like(rows)
+        g = torch.cuda.CUDAGraph()
+        with torch.set_grad_enabled(grad), torch.cuda.graph(g):
+            out = dm.decode_mm(static_x, leaves, text, None, "")
+        static_x.copy_(rows)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        return out
+
+    for grad in (True, False):
+        for M in (64, 48):  # 48 rows: the variant's dynamic rows, in the same 64-row bucket
+            rows = torch.randn(M, 1024, dtype=torch.bfloat16, device="cuda")
+            assert rel_err(captured(rows, grad), dm.decode_mm_reference(rows, leaves, text)) <= 1e-2, (grad, M)
+    assert len(stock._COMPILED) == compiled  # nothing compiled during the captures

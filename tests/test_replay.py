@@ -637,10 +637,11 @@ def test_gpu_replay_with_a_torch_tail(fmt, K, N, M, cfg, with_bias):
 
 
 @pytest.mark.gpu
-def test_gpu_ops_replay_after_the_first_call():
+def test_gpu_ops_replay_after_the_first_call(monkeypatch):
     """Through the registered ops: the first call records (the op keeps the record), the second replays
     and returns the chosen kernel's result for the new rows; the grouped op likewise where its tuner chose
-    one launch (else each member's own op replays)."""
+    one launch (else each member's own op replays). (Kernels only: the stock fallback records nothing.)"""
+    monkeypatch.setenv("FUSEKERN_STOCK_FALLBACK", "0")
     K, Ns = 4096, [1024, 1024]
     x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
     made = [_program("int4_k_stack", K, n, x, seed) for seed, n in enumerate(Ns)]

@@ -303,7 +303,7 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
     cands = device_candidates(bucket, prog.N, prog.K, batch, layout, x.dtype, x.device)
     if stock.enabled():
         cands.append(stock.StockConfig())
-    if len(cands) == 1:
+    if len(cands) == 1 and not isinstance(cands[0], stock.StockConfig):  # (stock alone is still checked)
         _tuned[key] = cands[0]
         return cands[0]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -878,10 +878,12 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
         sms = sm_count(x.device) if x.is_cuda else 132
         cfg = tuned_config(x, leaves, text, bias, Bt, M, layout) if x.is_cuda else \
             select_config(M, prog.N, prog.K, Bt, sms, layout)
-        if isinstance(cfg, stock.StockConfig) and not stock.ready(text, x, bias):
-            cfg = untimed_config(M, prog.N, prog.K, Bt, layout, x.device)  # a capture, with a shape not run before
     if isinstance(cfg, stock.StockConfig):
-        return stock.stock_mm(text, x, leaves, bias)
+        try:
+            return stock.stock_mm(text, x, leaves, bias)
+        except stock.StockUnavailable as e:  # it would compile now (a capture, or a guard its cache misses)
+            log.info("fusekern decode_mm: %s; running a kernel", e)
+            cfg = untimed_config(M, prog.N, prog.K, Bt, layout, x.device)
     if isinstance(cfg, _PACKED_CONFIGS):
         lay = PackedLayout.from_text(layout)
         if lay is None or batched:

@@ -11,9 +11,14 @@ text, not the nodes it came from): inductor sees the decode as loads at computed
 shifts and views, and may tile it differently. The tuner measures what it would run, so the choice is
 right for the code it picks.
 
-One compile per program, activation dtype, bias dtype and device; the rows are dynamic (one graph serves
-every M above 1), so a server's changing batch does not recompile. A CUDA graph capture (nothing may be
-compiled or timed then) runs it only for an activation shape and layout already run outside a capture.
+One compile per program and call variant (activation dtype and strides, one row or more, bias layout,
+inference mode, device; ``_variant``; it runs detached, without grad or autocast), each from its own traced graph, so Dynamo's per-function
+recompile limit is never reached (past it Dynamo would run the traced graph eagerly, materializing the
+decode's index grids); the rows are dynamic within a variant, so a server's changing batch does not
+recompile. Later calls of a variant run with Dynamo's ``fail_on_recompile`` stance: where a guard the key
+does not cover fails (or ``torch._dynamo.reset()`` dropped the code), the variant is traced and compiled
+anew, up to ``FRESH_COMPILES`` times, then left to the kernels. Inside a CUDA graph capture nothing is
+compiled: ``StockUnavailable``, and the op runs a kernel.
 """
 from __future__ import annotations
 
@@ -31,14 +36,20 @@ class StockConfig:
     """Decode then matmul, compiled by stock inductor (``decode_mm_stock``)."""
 
 
+class StockUnavailable(RuntimeError):
+    """The stock computation cannot run for this call without compiling (the caller runs a kernel)."""
+
+
 def enabled() -> bool:
-    """Whether the tuner times the stock computation too (``FUSEKERN_STOCK_FALLBACK=0``: fusekern's kernels
-    only, for benchmarks that measure them)."""
+    """Whether the tuner times the stock computation too, read when a shape is tuned (``FUSEKERN_STOCK_FALLBACK=0``:
+    fusekern's kernels only, for benchmarks that measure them)."""
     return os.environ.get("FUSEKERN_STOCK_FALLBACK", "1") != "0"
 
 
-_COMPILED: dict = {}  # (program, activation dtype, bias dtype, device) -> the compiled function
-_RAN: set = set()  # activation signatures run outside a capture, per compiled function
+_COMPILED: dict = {}  # (program, call variant) -> the compiled function
+_FRESH: dict = {}  # (program, call variant) -> how often it was compiled again (its guards missed)
+_MISSED: set = set()  # variants whose guards missed more than FRESH_COMPILES times: kernels run there
+FRESH_COMPILES = 3
 
 
 def _computation(prog: DecodeProgram, has_bias: bool):
@@ -58,50 +69,59 @@ def _computation(prog: DecodeProgram, has_bias: bool):
     return run
 
 
-def _key(text: str, x: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    return text, x.dtype, None if bias is None else bias.dtype, x.device
+def _variant(x: torch.Tensor, tensors) -> tuple:
+    """What Dynamo guards on that may change between two calls of one program: each variant compiles its own
+    traced graph (the row count is dynamic within one)."""
+    return (x.dtype, x.is_contiguous() or x.stride(), min(x.shape[-2], 2), x.device, x.is_inference(),
+            torch.is_inference_mode_enabled(), tuple((t.shape, t.stride(), t.dtype, t.is_inference()) for t in tensors))
 
 
-def _signature(fn, x: torch.Tensor) -> tuple:
-    return id(fn), tuple(x.shape), tuple(x.stride()), x.data_ptr() % 16
-
-
-def compiled(text: str, x: torch.Tensor, leaves, bias: torch.Tensor | None):
-    """The compiled stock function for ``text`` (leaves bound: ``DecodeProgram.bind``), made on first use."""
-    key = _key(text, x, bias)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        prog = DecodeProgram.from_text(text)
-        tensors = [*leaves, *([] if bias is None else [bias])]
-        # Traced on fake tensors: evaluate's index grids are [K, N] int64 tensors in eager (GBs at LLM sizes);
-        # inductor computes them in the kernel.
-        gm = make_fx(_computation(prog, bias is not None), tracing_mode="fake")(x, *tensors)
-        # Each traced graph has its own code object, so Dynamo's per-code recompile limit counts per program.
-        # emulate_precision_casts: inductor otherwise keeps a fused decode's value in fp32 where the program
-        # rounds it to the weight's dtype (seen: 1.5e-3 off the program's result with fp32 activations).
-        fn = _COMPILED[key] = torch.compile(gm, dynamic=None, options={"emulate_precision_casts": True})
-    return fn
+def _compile(text: str, x: torch.Tensor, tensors, has_bias: bool):
+    prog = DecodeProgram.from_text(text)
+    # Traced on fake tensors: evaluate's index grids are [K, N] int64 tensors in eager (GBs at LLM sizes);
+    # inductor computes them in the kernel. Each traced graph has its own code object, so Dynamo's
+    # recompile limit counts per variant.
+    gm = make_fx(_computation(prog, has_bias), tracing_mode="fake")(x, *tensors)
+    # emulate_precision_casts: inductor otherwise keeps a fused decode's value in fp32 where the program
+    # rounds it to the weight's dtype (seen: 1.5e-3 off the program's result with fp32 activations).
+    return torch.compile(gm, dynamic=None, options={"emulate_precision_casts": True})
 
 
 def stock_mm(text: str, x: torch.Tensor, leaves, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W + bias`` as stock inductor compiles the decode program. During a CUDA graph capture only an
-    activation signature run before (else RuntimeError: the caller picks a kernel that needs no compile)."""
-    fn = compiled(text, x, leaves, bias)
+    """``x @ W + bias`` as stock inductor compiles the decode program (leaves bound: ``DecodeProgram.bind``).
+    Compiles on a variant's first call. Raises ``StockUnavailable`` where it would compile inside a CUDA graph
+    capture, and for a variant whose guards failed more than ``FRESH_COMPILES`` times."""
+    # Detached, without grad or autocast: the op's result, as its kernels compute it, and fewer states for
+    # Dynamo to guard on.
+    tensors = [t.detach() for t in (*leaves, *([] if bias is None else [bias]))]
+    with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+        return _run(text, x, tensors, bias is not None)
+
+
+def _run(text: str, x: torch.Tensor, tensors, has_bias: bool) -> torch.Tensor:
+    key = (text, _variant(x, tensors))
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    sig = _signature(fn, x)
-    if capturing and sig not in _RAN:
-        raise RuntimeError("decode_mm_stock: this activation shape was not run before the CUDA graph capture")
-    torch._dynamo.maybe_mark_dynamic(x, x.dim() - 2)  # the rows: one graph for every M > 1
-    out = fn(x, *leaves, *([] if bias is None else [bias]))
-    if not capturing:
-        _RAN.add(sig)
-    return out
-
-
-def ready(text: str, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``stock_mm`` may run now: always outside a CUDA graph capture, during one only for an activation
-    signature it ran before."""
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return True
-    fn = _COMPILED.get(_key(text, x, bias))
-    return fn is not None and _signature(fn, x) in _RAN
+    rows = x.detach()  # (Dynamo's dynamic mark goes on this alias, not on the caller's tensor)
+    torch._dynamo.maybe_mark_dynamic(rows, x.dim() - 2)  # one graph for every row count above one
+    fn = _COMPILED.get(key)
+    if fn is not None:
+        if key in _MISSED:
+            raise StockUnavailable("decode_mm_stock: this call's variant missed its guards too often")
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return fn(rows, *tensors)
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e):
+                raise
+        # A guard the variant key does not cover, or Dynamo's caches were reset (torch._dynamo.reset()).
+        if capturing:
+            raise StockUnavailable("decode_mm_stock: the compiled variant would compile again during a CUDA graph "
+                                   "capture")
+        _FRESH[key] = _FRESH.get(key, 0) + 1
+        if _FRESH[key] > FRESH_COMPILES:  # a guard that flips between calls: kernels from now on
+            _MISSED.add(key)
+            raise StockUnavailable("decode_mm_stock: this call's variant missed its guards too often")
+    elif capturing:
+        raise StockUnavailable("decode_mm_stock: this call's variant was not run before the CUDA graph capture")
+    fn = _COMPILED[key] = _compile(text, x, tensors, has_bias)
+    return fn(rows, *tensors)
