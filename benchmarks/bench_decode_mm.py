@@ -15,7 +15,9 @@ path and tile measured on the first call). Each compiled function is timed twice
 overhead included) and ``graph`` (do_bench_cudagraph: GPU time, as under CUDA graphs). The floor is the
 bytes that must move at 4.3 TB/s (weights + activations + output) or the bf16 dense peak (989 TF/s),
 whichever is larger. Medians, one run; rows are written as they are measured; each fusekern output is
-checked against eager. ``kernel``: the config(s) the dispatcher measured fastest on that first call.
+checked against eager. ``kernel``: the config(s) the dispatcher measured fastest on that first call
+(``StockConfig()``: stock inductor's code for the decode, the fallback); ``tuner_kernel_us`` /
+``tuner_stock_us``: what the tuner measured for its fastest kernel and for that fallback (cold L2, GPU time).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401
 from fusekern.kernels import decode_mm as dm  # noqa: E402
+from fusekern.kernels.decode_mm_stock import StockConfig  # noqa: E402
 from fusekern.testing import rel_err  # noqa: E402
 from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 
@@ -79,6 +82,11 @@ def main():
                 if bucket == triton.next_power_of_2(M) and (dm.DecodeProgram.from_text(text).N,
                                                              dm.DecodeProgram.from_text(text).K) == (N, K)]
             err = rel_err(got, ref)
+            # The tuner's own timings of this call (cold L2, GPU time): the fastest kernel, and stock inductor's
+            # code for the same decode (the fallback candidate)
+            new = [dm.timings[k] for k in dm._tuned if k not in tuned_before and k in dm.timings]
+            kernel_ms = [ms for t in new for c, ms in t.items() if not isinstance(c, StockConfig)]
+            stock_ms = [t[StockConfig()] for t in new if StockConfig() in t]
             fusekern.reset_match_report()
             variants = {"eager": lambda: case.fn(x, *ws), "stock": lambda: stock(x, *ws), "fusekern": lambda: fk(x, *ws)}
             if args.autotune:
@@ -87,7 +95,9 @@ def main():
             if w_bf16 is not None:  # (every row then: the CSV's columns are the first row's)
                 variants["cublas_bf16"] = lambda: x @ w_bf16
             row = dict(format=name, recognized=case.format, M=M, N=N, K=K, rel_err=f"{err:.2e}",
-                       floor_us=round(floor_us(M, N, K, ws), 2), kernel="; ".join(chosen) or "(not tuned)")
+                       floor_us=round(floor_us(M, N, K, ws), 2), kernel="; ".join(chosen) or "(not tuned)",
+                       tuner_kernel_us=round(1e3 * min(kernel_ms), 2) if kernel_ms else "",
+                       tuner_stock_us=round(1e3 * min(stock_ms), 2) if stock_ms else "")
             for v, fn in variants.items():
                 fn()
                 row[f"{v}_call_us"] = round(

@@ -288,6 +288,7 @@ def check_runs_on(cfg, device: torch.device, lay: PackedLayout | None = None) ->
 
 
 _tuned: dict = {}  # (program, M bucket, batch, device) -> the fastest measured config
+timings: dict = {}  # the same keys -> {config: milliseconds} of each candidate timed (benchmarks report them)
 
 
 def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, layout: str = ""):
@@ -317,11 +318,16 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
     except Exception as e:  # noqa: BLE001 - nothing to check against: time only, as before the check
         log.warning("fusekern decode_mm: no reference for %s (%s): candidates are timed unchecked", text[:60], e)
         ref = None
+    times = timings[key] = {}
     best = fastest_correct(cands, lambda cfg, rows: functools.partial(decode_mm_triton, rows, leaves, text, bias,
                                                                       cfg, layout=layout),
                            x, probe, functools.partial(_gpu_time, device=x.device), ref,
-                           f"a {prog.K}x{prog.N} weight")
+                           f"a {prog.K}x{prog.N} weight", times)
     _tuned[key] = best = best or DequantConfig()
+    kernels = [ms for c, ms in times.items() if not isinstance(c, stock.StockConfig)]
+    log.info("fusekern decode_mm: a %dx%d weight, %d rows: %s (%.1f us; fastest kernel %.1f us, stock %.1f us)",
+             prog.K, prog.N, M, best, 1e3 * times.get(best, float("nan")), 1e3 * min(kernels, default=float("nan")),
+             1e3 * times.get(stock.StockConfig(), float("nan")))
     return best
 
 
@@ -331,12 +337,14 @@ def tuned_config(x: torch.Tensor, leaves, text: str, bias, batch: int, M: int, l
 AGREEMENT = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 
 
-def fastest_correct(cands, run_of, x, probe, time_of, ref: torch.Tensor | None, what: str):
+def fastest_correct(cands, run_of, x, probe, time_of, ref: torch.Tensor | None, what: str,
+                    times: dict | None = None):
     """The fastest candidate whose output on ``probe`` agrees with ``ref`` (None: none to check against),
     timed on ``x``: ``run_of(cfg, rows)`` gives a call that runs it, ``time_of(run)`` its time. A
     candidate that fails, or whose result is off anywhere (a kernel wrong on this GPU or for these
     leaves), is skipped: measuring must never pick a fast wrong kernel. A config that refuses the input
-    (ValueError: its kernel cannot read these leaves) is skipped quietly."""
+    (ValueError: its kernel cannot read these leaves) is skipped quietly. ``times``: filled with each timed
+    candidate's milliseconds."""
     best, best_ms = None, float("inf")
     if ref is not None:
         ref32 = ref.float()
@@ -359,6 +367,8 @@ def fastest_correct(cands, run_of, x, probe, time_of, ref: torch.Tensor | None, 
         except Exception as e:  # a config that does not fit or compile for this device: skip it
             log.warning("fusekern decode_mm: skipping %s for %s: %s", cfg, what, e)
             continue
+        if times is not None:
+            times[cfg] = ms
         if ms < best_ms:
             best, best_ms = cfg, ms
     return best
