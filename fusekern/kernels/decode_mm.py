@@ -942,10 +942,16 @@ def _dequant_tail(x, bufs, bias, batched: bool):
     """cuBLAS on the decoded weight ``bufs[0]`` ([batch or 1, K, N]), then the bias (the decode-once path
     and its replay)."""
     w = bufs[0]
-    out = torch.matmul(x if batched else x.unsqueeze(0), w if batched else w[0])
-    if bias is not None:
-        out = (out.float() + bias.float()).to(x.dtype) if bias.dtype != x.dtype else out + bias
+    out = add_bias(torch.matmul(x if batched else x.unsqueeze(0), w if batched else w[0]), bias)
     return out if batched else out[0]
+
+
+def add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out + bias`` in out's dtype, through fp32 where the bias has another dtype (the decode-once path, and
+    the stock fallback that must agree with it)."""
+    if bias is None:
+        return out
+    return (out.float() + bias.float()).to(out.dtype) if bias.dtype != out.dtype else out + bias
 
 
 def _split_k_tail(x, bufs, bias, split_k: int, batched: bool):

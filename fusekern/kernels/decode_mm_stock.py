@@ -12,8 +12,8 @@ shifts and views, and may tile it differently. The tuner measures what it would 
 right for the code it picks.
 
 One compile per program and call variant (activation dtype and strides, one row or more, bias layout,
-inference mode, device; ``_variant``; it runs detached, without grad or autocast), each from its own traced graph, so Dynamo's per-function
-recompile limit is never reached (past it Dynamo would run the traced graph eagerly, materializing the
+inference mode, device; ``_variant``; it runs detached, without grad or autocast), each from its own traced
+graph, so Dynamo's per-function recompile limit is never reached (past it Dynamo would run the traced graph eagerly, materializing the
 decode's index grids); the rows are dynamic within a variant, so a server's changing batch does not
 recompile. Later calls of a variant run with Dynamo's ``fail_on_recompile`` stance: where a guard the key
 does not cover fails (or ``torch._dynamo.reset()`` dropped the code), the variant is traced and compiled
@@ -53,18 +53,16 @@ FRESH_COMPILES = 3
 
 
 def _computation(prog: DecodeProgram, has_bias: bool):
-    """``(x, *leaves[, bias]) -> x @ W (+ bias)``: the decode-once path's arithmetic (``decode_mm._dequant_tail``)
+    """``(x, *leaves[, bias]) -> x @ W (+ bias)``: the decode-once path's arithmetic (``decode_mm.add_bias``)
     with the weight from ``prog.evaluate``. ``mm`` / ``bmm``, not ``matmul``: traced, ``matmul`` reshapes
     with the traced row count, which the dynamic rows must not keep."""
+    from fusekern.kernels.decode_mm import add_bias  # (decode_mm imports this module)
+
     n = len(prog.leaves)
 
     def run(x, *tensors):
         w = prog.evaluate(list(tensors[:n]), out_dtype=x.dtype)
-        out = torch.bmm(x, w) if prog.batch else torch.mm(x, w)
-        if has_bias:
-            bias = tensors[n]
-            out = (out.float() + bias.float()).to(x.dtype) if bias.dtype != x.dtype else out + bias
-        return out
+        return add_bias(torch.bmm(x, w) if prog.batch else torch.mm(x, w), tensors[n] if has_bias else None)
 
     return run
 

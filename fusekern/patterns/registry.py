@@ -179,14 +179,7 @@ def register_rewrite(name: str, rewrite: Callable[[torch.fx.Graph], int], *, fam
         raise PatternError(f"rewrite {name!r}: family must be one of {FAMILIES}, got {family!r}")
     if r.stage not in STAGES:
         raise PatternError(f"rewrite {name!r}: stage must be one of {STAGES}, got {stage!r}")
-    origin = _registering_module()
-    if origin not in BUILTIN_MODULES and not _loading:
-        load_patterns()
-    with _registry_lock:
-        if name in _patterns:
-            raise PatternError(f"rewrite {name!r}: a pattern of that name is already registered")
-        _patterns[name] = r
-        _order[name] = _rank(origin)
+    _add("rewrite", r)
     return r
 
 
@@ -223,6 +216,21 @@ def _registering_module() -> str:
 def _rank(module: str) -> tuple[int, int]:
     rank = BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
     return rank, next(_numbers)
+
+
+def _add(what: str, p: "Pattern | GraphRewrite", validate_fn: Callable | None = None) -> None:
+    """Put a pattern or rewrite in the registry. The built-ins load first (a user pattern must not take one of
+    their names); its place in the pass order comes from the module whose code registered it."""
+    origin = _registering_module()
+    if origin not in BUILTIN_MODULES and not _loading:
+        load_patterns()
+    with _registry_lock:
+        if p.name in _patterns:
+            raise PatternError(f"{what} {p.name!r}: a pattern of that name is already registered")
+        if validate_fn is not None:
+            validate_fn(p)
+        _patterns[p.name] = p
+        _order[p.name] = _rank(origin)
 
 
 def register_pattern(
@@ -264,15 +272,7 @@ def register_pattern(
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
     )
-    origin = _registering_module()
-    if origin not in BUILTIN_MODULES and not _loading:
-        load_patterns()  # the built-ins first: a user pattern must not take one of their names
-    with _registry_lock:
-        if pattern.name in _patterns:
-            raise PatternError(f"pattern {pattern.name!r}: a pattern of that name is already registered")
-        validate(pattern)
-        _patterns[pattern.name] = pattern
-        _order[pattern.name] = _rank(origin)
+    _add("pattern", pattern, validate)
     log.debug("registered pattern %s (%s, %s)", pattern.name, pattern.family, pattern.stage)
     return pattern
 
