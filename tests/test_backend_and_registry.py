@@ -97,6 +97,42 @@ def test_uuid_follows_enabled_patterns_and_user_passes():
     assert FusekernGraphPass("post_grad", pats, opts, chained=lambda g: None).uuid() is None
 
 
+def test_cache_key_covers_every_fusekern_file():
+    """A check's helper, a matcher's analysis or a kernel emitted into inductor's code can change a compiled
+    graph without changing the functions a pattern names (an edited helper once let a test load a graph
+    rewritten by the old check from inductor's cache): the key hashes every file of the package."""
+    import fusekern
+    from fusekern.compiler_pass import pass_manager
+
+    root = os.path.dirname(fusekern.__file__)
+    on_disk = {os.path.join(d, n) for d, _, ns in os.walk(root) for n in ns if n.endswith(".py")}
+    assert set(pass_manager.package_files()) == on_disk
+    assert os.path.join(root, "patterns", "dequant_matmul.py") in on_disk  # (the helper's file above)
+
+
+def test_pattern_fingerprint_covers_the_file_of_its_check(tmp_path, monkeypatch):
+    """A user's check that delegates to a helper: editing the helper alone changes the fingerprint."""
+    import importlib
+
+    def load(helper_body):
+        (tmp_path / "user_pat.py").write_text(
+            "def search(x):\n    return x * 2\n\n"
+            "def replacement(x):\n    return x + x\n\n"
+            f"def helper(v):\n    {helper_body}\n\n"
+            "def check(v):\n    return helper(v)\n")
+        sys.modules.pop("user_pat", None)
+        importlib.invalidate_caches()
+        mod = importlib.import_module("user_pat")
+        return Pattern("user_pat", mod.search, mod.replacement, inputs={"x": fusekern.T("M", dtype=torch.float32)},
+                       check=mod.check).fingerprint
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a = load("return None")
+    assert a == load("return None")
+    assert a != load("return 'declined'")
+    sys.modules.pop("user_pat", None)
+
+
 # -- registry ----------------------------------------------------------------------------------
 
 SPEC = dict(x=fusekern.T("M", "K", dtype=torch.float32), w=fusekern.T("N", "K", dtype=torch.float32))

@@ -481,3 +481,27 @@ def test_a_cpu_scalar_with_cuda_operands_declines_instead_of_breaking_the_compil
         args = (torch.empty(16, 128, device="cuda", dtype=E4M3), torch.empty(64, 128, device="cuda", dtype=E4M3),
                 torch.tensor(0.5), torch.tensor(0.25))
     assert SF.rewrite_scaled_matmuls(fake_cuda_graph(legacy, args)) == 0
+
+
+@pytest.mark.parametrize("form", ["zero_dim_and_fp32_channel", "bf16_token_fp32_channel", "fp32_bias"])
+def test_mixed_dtype_matmul_raises_as_in_eager(form):
+    """A 0-d fp32 scale keeps the bf16 activation bf16 while an fp32 [N, 1] scale makes the weight fp32, and
+    eager's matmul raises; FakeTensor's mm does not check dtypes, so the graph reaches the pass, and the fold
+    once returned a result there. It declines, and the compiled function raises as eager does."""
+    import fusekern
+
+    i = _inputs()
+    x8, w8 = i["x8"], i["w8"]
+    fns = {
+        "zero_dim_and_fp32_channel": lambda: (x8.to(BF16) * i["s_tensor"]) @ (w8.to(BF16) * i["s_chan"]).t(),
+        "bf16_token_fp32_channel": lambda: (x8.to(BF16) * i["s_tok"].to(BF16)) @ (w8.to(BF16) * i["s_chan"]).t(),
+        "fp32_bias": lambda: F.linear(x8.to(BF16) * i["s_tok"].to(BF16), w8.to(BF16) * i["s_chan"].to(BF16),
+                                      i["bias"].float()),
+    }
+    with pytest.raises(RuntimeError, match="dtype"):
+        fns[form]()
+    fusekern.reset_match_report()
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.compile(fns[form], backend="fusekern", options={"fusekern.disable": ["decode_matmul"]})()
+    assert dict(fusekern.match_report().fired()) == {}
+    assert any("eager raises" in r for r in _reasons()), _reasons()

@@ -244,3 +244,26 @@ def test_numbers_after_the_linear_are_not_scales_or_biases(form):
     }
     result = assert_compiled(fns[form], (x, w, s), options=NO_DECODE)
     assert set(result.fired) <= {"w8a16_linear_scale"}, result.fired
+
+
+@pytest.mark.parametrize("form", ["dequant_fp32_scale", "col_scale_fp32", "dequant_fp32_bias", "dequant_fp16_scale"])
+def test_mixed_dtype_matmul_raises_as_in_eager(form):
+    """A scale (or bias) of another dtype than x makes eager's matmul raise (a bf16 x times an fp32 weight);
+    FakeTensor's mm does not check dtypes, so the graph reaches the pass, and the fused kernel once returned
+    a result there. The pattern declines and the compiled function raises as eager does."""
+    x, w, s, b = inputs()
+    fns = {
+        "dequant_fp32_scale": (lambda x, w, s, b: F.linear(x, w.to(x.dtype) * s[:, None]), s),
+        "col_scale_fp32": (lambda x, w, s, b: F.linear(x, w.to(x.dtype) * s), s[:, None]),
+        "dequant_fp32_bias": (lambda x, w, s, b: F.linear(x, w.to(x.dtype) * s[:, None], b.float()), s.to(BF16)),
+        "dequant_fp16_scale": (lambda x, w, s, b: F.linear(x, w.to(x.dtype) * s[:, None]), s.half()),
+    }
+    fn, scale = fns[form]
+    with pytest.raises(RuntimeError, match="dtype"):
+        fn(x, w, scale, b)
+    fusekern.reset_match_report()
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.compile(fn, backend="fusekern", options=NO_DECODE)(x, w, scale, b)
+    assert dict(fusekern.match_report().fired()) == {}
+    reasons = [r.reason for r in fusekern.match_report().rejections()]
+    assert any("eager's" in r for r in reasons), reasons

@@ -5,8 +5,9 @@
 - ``joint`` runs as ``joint_custom_pre_pass``: sampling patterns must see ``exponential_``/``rand``
   before ``replace_random_passes`` turns them into ``inductor_random``.
 
-Each pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the enabled patterns (their code, specs
-and kernel versions), so inductor's FX graph cache stays valid and is never bypassed. A pass the user
+Each pass is a ``CustomGraphPass`` whose ``uuid()`` hashes fusekern's code and the enabled patterns (their
+code, the files defining it, specs and kernel versions), so inductor's FX graph cache stays valid and is
+never bypassed. A pass the user
 had already set in inductor's config is chained (run first), never dropped.
 """
 from __future__ import annotations
@@ -41,18 +42,24 @@ def _as_tuple(existing: Any) -> tuple:
     return (existing,)
 
 
+def package_files() -> tuple[str, ...]:
+    """Every Python file of the fusekern package, sorted."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for d, _, names in os.walk(root):
+        found += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    return tuple(sorted(found))
+
+
 @functools.cache
 def _machinery_hash() -> str:
-    """Hash of the code that decides how patterns are traced and applied (not the patterns)."""
+    """Hash of all of fusekern's code, not just the functions a pattern names: a check's helper, a matcher's
+    analysis or a kernel whose launch a rewrite emits into inductor's code can change what a compiled graph
+    holds, and a key that missed one would load a graph rewritten by the old code from inductor's FX-graph
+    cache (an edit to a check's helper once did, in a test run). Any fusekern change recompiles."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from fusekern.compiler_pass import canonicalize as canon_mod
-    from fusekern.compiler_pass import unpad as unpad_mod
-    from fusekern.patterns import registry as registry_mod
-    from fusekern.patterns import spec as spec_mod
-
-    files = (__file__, canon_mod.__file__, unpad_mod.__file__, registry_mod.__file__, spec_mod.__file__)
-    return get_hash_for_files(tuple(files)).hex()
+    return get_hash_for_files(package_files()).hex()
 
 
 class FusekernGraphPass(CustomGraphPass):

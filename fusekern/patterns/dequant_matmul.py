@@ -78,10 +78,11 @@ def check_scale_after(v) -> str | None:
     return reason
 
 
-def _scale_before_reason(v, dims: int) -> str | None:
+def _scale_before_reason(v, dims: int, cast: bool = False) -> str | None:
     """Dequantize-before forms: s is [N] where the search indexes it (``s[:, None]``, dims 1), [N, 1] where
     it multiplies the weight as it is (dims 2). The matcher matches the ops, not the shapes: a [K] scale
-    times the weight scales input channels (along K), which is a different product even where N == K."""
+    times the weight scales input channels (along K), which is a different product even where N == K.
+    ``cast``: the form casts the scaled weight to x's dtype, so the scale's dtype may differ from x's."""
     reason = _common_reason(v)
     if reason is not None:
         return reason
@@ -90,6 +91,12 @@ def _scale_before_reason(v, dims: int) -> str | None:
         return f"scale is the number {s!r}, not one value per output channel"
     if not s.dtype.is_floating_point:
         return f"scale dtype {s.dtype} is not floating point"
+    if not cast and s.dtype != v["x"].dtype:
+        # The matmul then takes x and a weight of another dtype: eager raises (FakeTensor's mm does not
+        # check, so the graph reaches the pass), and the fused kernel would return a result instead.
+        return f"scale dtype {s.dtype} is not the activation's {v['x'].dtype} (eager's matmul raises)"
+    if "b" in v and isinstance(v["b"], torch.Tensor) and v["b"].dtype != v["x"].dtype:
+        return f"bias dtype {v['b'].dtype} is not the activation's {v['x'].dtype} (eager's addmm raises)"
     want = (n,) if dims == 1 else (n, 1)
     if s.dim() != dims or not all(_known(a == b) for a, b in zip(s.shape, want)):
         return f"scale of shape {tuple(s.shape)} is not one value per output channel ({want})"
@@ -106,6 +113,11 @@ def check_scale_before(v) -> str | None:
 def check_scale_column(v) -> str | None:
     """``w.to(dt) * s`` form: s is [N, 1] (one value per row of w)."""
     return _scale_before_reason(v, 2)
+
+
+def check_scale_before_cast(v) -> str | None:
+    """``(w.to(s.dtype) * s[:, None]).to(x.dtype)`` form: s is [N], in any float dtype."""
+    return _scale_before_reason(v, 1, cast=True)
 
 
 def _fused(x, w, s, b, out_dtype):
@@ -224,7 +236,7 @@ def _w8a16_dequant_fp32_search(x, w, s):
 register_pattern(
     "w8a16_dequant_fp32_linear", _w8a16_dequant_fp32_search, _w8a16_dequant_replace,
     inputs=dict(DEQUANT_INPUTS, s=T("N", dtype=torch.float32, positive=True)), dtypes={"act": ACT},
-    check=check_scale_before, description="F.linear(x, (w.to(s.dtype) * s[:, None]).to(x.dtype))", **COMMON,
+    check=check_scale_before_cast, description="F.linear(x, (w.to(s.dtype) * s[:, None]).to(x.dtype))", **COMMON,
 )
 
 

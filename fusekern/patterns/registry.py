@@ -16,6 +16,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class Pattern:
         h = hashlib.sha256()
         for fn in (self.search, self.replacement, self.check):
             h.update(_source_of(fn).encode())
+            h.update(_file_of(fn))  # the helpers they call: a user's check may delegate its logic
         h.update(repr((self.name, sorted(self.inputs.items()), sorted(self.dtypes.items(), key=str),
                        sorted(self.dims.items()), self.stage, self.kernel_version)).encode())
         return h.hexdigest()[:16]
@@ -181,6 +183,18 @@ def register_rewrite(name: str, rewrite: Callable[[torch.fx.Graph], int], *, fam
         raise PatternError(f"rewrite {name!r}: stage must be one of {STAGES}, got {stage!r}")
     _add("rewrite", r)
     return r
+
+
+def _file_of(fn) -> bytes:
+    """The bytes of the file defining ``fn`` (b"" when there is none: a REPL, a notebook cell)."""
+    try:
+        path = inspect.getsourcefile(fn)
+    except TypeError:
+        return b""
+    if not path or not os.path.isfile(path):
+        return b""
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _source_of(fn) -> str:

@@ -433,6 +433,11 @@ def plan(mm: Node) -> Plan:
         raise Decline("the matmul has no 2-D tensor metadata")
     if not mv.dtype.is_floating_point:
         raise Decline(f"an integer matmul ({mv.dtype}): its wrap-around is not the kernel's exact sum")
+    # Eager raises on a matmul (or addmm bias) of mixed dtypes, and FakeTensor's meta kernels do not check
+    # it, so such a graph reaches the backend: folding would return a result where the user's code fails.
+    mixed = {str(_val(n).dtype) for n in (bias, a_node, b_node) if isinstance(n, Node) and _val(n) is not None}
+    if len(mixed) > 1:
+        raise Decline(f"the matmul mixes {' and '.join(sorted(mixed))} (eager raises)")
     a, b = walk_operand(a_node, "a"), walk_operand(b_node, "b")
     out = walk_output(mm, bias is not None)
     av, bv = _val(a.base), _val(b.base)
