@@ -37,15 +37,21 @@ FILTERS = {
     "top-k + top-p + min-p": dict(top_k=40, top_p=0.8, min_p=0.05),
     "temperature only": dict(),
     "per row": "per_row",
+    # vLLM's order: min-p before top-p, whose softmax is then over what min-p (and top-k) keep
+    "min-p, then top-p": dict(top_p=0.8, min_p=0.1, min_p_first=True),
+    "min-p, then top-k + top-p": dict(top_k=40, top_p=0.8, min_p=0.5, min_p_first=True),
+    "per row, min-p first": "per_row_first",
 }
 
 
 def filters_for(name, B, V):
     f = FILTERS[name]
-    if f == "per_row":
+    if f in ("per_row", "per_row_first"):
         return dict(top_k=torch.tensor([1, 3, 40, V, 9][:B], device=DEVICE),
                     top_p=torch.tensor([0.3, 1.0, 0.8, 0.95, 0.5][:B], device=DEVICE),
-                    min_p=torch.tensor([0.0, 0.2, 0.05, 0.0, 0.01][:B], device=DEVICE))
+                    **(dict(min_p=torch.tensor([0.0, 0.2, 0.05, 0.0, 0.01][:B], device=DEVICE)) if f == "per_row" else
+                       # min-p cutting inside top-k / top-p's sets, where the order matters
+                       dict(min_p=torch.tensor([0.0, 0.2, 0.5, 0.3, 0.6][:B], device=DEVICE), min_p_first=True)))
     return {k: (V + 5 if v == "V+5" else v) for k, v in f.items()}
 
 
@@ -99,6 +105,38 @@ def test_tied_keys_at_the_cuts_match_reference(dtype, name, pivot_fan):
     assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **filters).tolist()
 
 
+@pytest.mark.parametrize("name", ["min-p, then top-p", "min-p, then top-k + top-p", "per row, min-p first"])
+def test_min_p_first_keeps_another_set(name):
+    """The min-p-first cases above are not Hugging Face's order in disguise: on their logits the order
+    changes the kept set (top-p's mass is then over fewer tokens, so it keeps fewer)."""
+    B, V = 5, 1100
+    x = (make_logits(B, V, torch.float32, seed=B + V, scale=0.7).cpu() / 0.9).double()
+    f = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in filters_for(name, B, V).items()}
+    first = S.kept_mask(x, f.get("top_k"), f["top_p"], f["min_p"], min_p_first=True)
+    hf = S.kept_mask(x, f.get("top_k"), f["top_p"], f["min_p"])
+    assert not torch.equal(first, hf)
+    assert (first <= hf).all()  # never more: top-p over a subset's mass
+
+
+def test_min_p_first_reference_is_vllms_chain():
+    """kept_mask's min-p-first order against vLLM's own steps in float64: the min-p mask on the softmax,
+    then top-k and top-p on the sorted logits (apply_top_k_top_p)."""
+    B, V = 6, 500
+    x = (make_logits(B, V, torch.float32, seed=9, scale=1.0).cpu()).double()
+    k = torch.tensor([3, 50, 500, 20, 7, 100])
+    p = torch.tensor([0.9, 0.5, 0.8, 0.99, 0.3, 0.7], dtype=torch.float64)
+    mp = torch.tensor([0.1, 0.05, 0.2, 0.0, 0.3, 0.02], dtype=torch.float64)
+    probs = x.softmax(-1)
+    y = x.masked_fill(probs < probs.amax(-1, keepdim=True) * mp[:, None], float("-inf"))
+    s, idx = y.sort(-1)
+    s = s.masked_fill(s < s.gather(1, (V - k)[:, None]), float("-inf"))
+    drop = s.softmax(-1).cumsum(-1) <= 1 - p[:, None]
+    drop[:, -1] = False
+    s = s.masked_fill(drop, float("-inf"))
+    want = s.scatter(-1, idx, s) > float("-inf")
+    assert torch.equal(S.kept_mask(x, k, p, mp, min_p_first=True), want)
+
+
 def test_top_p_zero_keeps_the_most_likely_token():
     """Hugging Face keeps one token (min_tokens_to_keep = 1) even for p = 0: the top one."""
     logits = make_logits(4, 500, torch.float32, seed=3)
@@ -110,7 +148,8 @@ def test_cpu_path_matches_reference():
     """sample_torch (the op's CPU implementation) against the float64 reference, same generator draws."""
     B, V = 5, 400
     logits = make_logits(B, V, torch.bfloat16, seed=5, scale=0.7).cpu()
-    for filters in (dict(top_k=20, top_p=0.7, min_p=0.05), dict(top_p=0.5), dict()):
+    for filters in (dict(top_k=20, top_p=0.7, min_p=0.05), dict(top_p=0.5), dict(),
+                    dict(top_k=20, top_p=0.7, min_p=0.1, min_p_first=True)):
         out = S.sample_torch(logits, 0.8, seed=torch.tensor([77]), **filters)
         g = torch.Generator().manual_seed(77)
         q = torch.empty(B, V).exponential_(1, generator=g)

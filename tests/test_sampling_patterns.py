@@ -332,6 +332,10 @@ def hf_min_p_older_warp(scores, min_p=0.2):  # transformers 4.4x: argsort, gathe
     return scores.masked_fill(indices_to_remove, -float("inf"))
 
 
+def hf_min_p_before_top_p_warp(s):  # vLLM's order written with HF's warpers: top-p's mass is min-p's set
+    return chains.hf_top_p_warper(chains.hf_min_p_warper(s / 0.9, 0.3), 0.8)
+
+
 def repetition_penalty_warp(s):
     ids = PREVIOUS.to(s.device).expand(s.shape[0], -1)
     return chains.hf_warpers(chains.hf_repetition_penalty(ids, s, 1.3), 0.9, 8, 0.9, 0.1)
@@ -356,6 +360,15 @@ def vllm_warp(logits):
     return chains.vllm_apply_top_k_top_p(logits / t[:, None], k, p)
 
 
+def vllm_min_p_sample(logits):  # with vLLM's min-p processor (logits[mask] = -inf), before top-k / top-p
+    return chains.vllm_sample(logits.clone(), *vllm_params(logits), per_row(logits, 0.3))
+
+
+def vllm_min_p_warp(logits):
+    t, k, p = vllm_params(logits)
+    return chains.vllm_apply_top_k_top_p(chains.vllm_min_p(logits / t[:, None], per_row(logits, 0.3)), k, p)
+
+
 FILTER_FORMS = {name: (multinomial_of(warp), warp) for name, warp in {
     "hf_top_p": hf_top_p_warp,
     "hf_top_p_tensor": hf_top_p_tensor_warp,
@@ -363,9 +376,22 @@ FILTER_FORMS = {name: (multinomial_of(warp), warp) for name, warp in {
     "hf_top_k_top_p_min_p": hf_top_k_top_p_min_p_warp,
     "hf_min_p_per_row": hf_min_p_per_row_warp,
     "hf_min_p_older": hf_min_p_older_warp,
+    "hf_min_p_before_top_p": hf_min_p_before_top_p_warp,
     "repetition_penalty": repetition_penalty_warp,
 }.items()}
 FILTER_FORMS["vllm"] = (vllm_sample, vllm_warp)
+FILTER_FORMS["vllm_min_p"] = (vllm_min_p_sample, vllm_min_p_warp)
+MIN_P_FORMS = {"hf_top_k_top_p_min_p", "hf_min_p_per_row", "hf_min_p_older", "hf_min_p_before_top_p",
+               "repetition_penalty", "vllm_min_p"}
+
+
+def test_min_p_before_top_p_forms_keep_another_set_than_hf_order():
+    """The two min-p-first forms above are not Hugging Face's order in disguise: on BASE the order matters."""
+    x = BASE[None] / 0.9
+    hf = chains.hf_warpers(x, None, None, 0.8, 0.3) > -float("inf")
+    for warp in (hf_min_p_before_top_p_warp, vllm_min_p_warp):
+        kept = warp(BASE[None]) > -float("inf")
+        assert not torch.equal(kept, hf) and 1 < int(kept.sum()) < int(hf.sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -379,6 +405,12 @@ def test_filter_chains_fire_and_match_the_distribution(form, dtype):
         want = sample(logits)
         got = f(logits)
         kept_x = warp(logits[:1]).double()[0].cpu()
+    if form in MIN_P_FORMS and dtype != torch.float32:
+        # min-p over 16-bit probabilities: their rounding keeps other tokens near the bound (declined)
+        assert fired() == {}
+        reasons = [r.reason for r in fusekern.match_report().rejections()]
+        assert any("probabilities, whose rounding" in r for r in reasons), reasons
+        return
     assert fired() == {"sample": 1}
     assert got.shape == want.shape and got.dtype == want.dtype
     p = torch.softmax(kept_x, 0)  # the original's distribution: softmax over what its filters keep
@@ -420,14 +452,24 @@ def vllm_rows_warp(logits):
     return chains.vllm_apply_top_k_top_p(logits / t[:, None], k, p)
 
 
+def vllm_min_p_rows_sample(logits):
+    return chains.vllm_sample(logits.clone(), *vllm_rows_params(), row_values(0.0, 0.6))
+
+
+def vllm_min_p_rows_warp(logits):
+    t, k, p = vllm_rows_params()
+    return chains.vllm_apply_top_k_top_p(chains.vllm_min_p(logits / t[:, None], row_values(0.0, 0.6)), k, p)
+
+
 @pytest.fixture
 def op_calls(monkeypatch):
     """The arguments the op's CPU implementation gets (it samples as usual)."""
     calls = []
 
-    def recording(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed):
-        calls.append(dict(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
-        return real(logits, temperature, top_k, top_p, min_p, seed=seed)
+    def recording(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed, min_p_first=False):
+        calls.append(dict(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          min_p_first=min_p_first))
+        return real(logits, temperature, top_k, top_p, min_p, seed=seed, min_p_first=min_p_first)
 
     real = kernel.sample_torch
     monkeypatch.setattr(kernel, "sample_torch", recording)
@@ -440,7 +482,10 @@ def op_calls(monkeypatch):
     (multinomial_of(hf_top_k_top_p_min_p_warp), hf_top_k_top_p_min_p_warp),
     (multinomial_of(repetition_penalty_warp), repetition_penalty_warp),
     (vllm_rows_sample, vllm_rows_warp),
-], ids=["hf_per_row", "hf_top_k_top_p_min_p", "repetition_penalty", "vllm_per_row"])
+    (vllm_min_p_rows_sample, vllm_min_p_rows_warp),
+    (multinomial_of(hf_min_p_before_top_p_warp), hf_min_p_before_top_p_warp),
+], ids=["hf_per_row", "hf_top_k_top_p_min_p", "repetition_penalty", "vllm_per_row", "vllm_min_p_per_row",
+        "hf_min_p_before_top_p"])
 def test_the_op_keeps_what_the_chain_keeps(sample, warp, op_calls):
     """Random logits, parameters per row: the set the op keeps (by its definition, from the arguments it
     got) is the set the original's filters keep, and every token drawn lies in it."""
@@ -455,14 +500,15 @@ def test_the_op_keeps_what_the_chain_keeps(sample, warp, op_calls):
     t = call["temperature"]
     t = t.reshape(-1, 1) if isinstance(t, torch.Tensor) else t
     x = (call["logits"].float() / t).to(call["logits"].dtype).double()
-    got = kernel.kept_mask(x, call["top_k"], call["top_p"], call["min_p"])
+    got = kernel.kept_mask(x, call["top_k"], call["top_p"], call["min_p"], call["min_p_first"])
     assert torch.equal(got, want.cpu()), (got != want).nonzero().tolist()
     assert want.gather(1, tokens.T.reshape(ROWS, -1)).all(), "a token the original drops was sampled"
     assert 1 < int(want.sum(1).max()) < VOCAB  # the filters cut, and keep more than one token somewhere
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replaces the op's CPU noise")
-def test_vllm_race_gives_the_original_tokens_given_its_noise(monkeypatch):
+@pytest.mark.parametrize("sample", [vllm_rows_sample, vllm_min_p_rows_sample])
+def test_vllm_race_gives_the_original_tokens_given_its_noise(monkeypatch, sample):
     """vLLM's chain draws q with exponential_ from torch's generator: with the op's noise set to the same
     draws (its reference semantics), the compiled graph returns the original's tokens."""
     torch.manual_seed(2)
@@ -470,14 +516,14 @@ def test_vllm_race_gives_the_original_tokens_given_its_noise(monkeypatch):
     torch.manual_seed(5)
     q = torch.empty(ROWS, VOCAB).exponential_()  # the original's first random draw after the seed
 
-    def with_q(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed):
-        return kernel.sample_reference(logits, temperature, top_k, top_p, min_p, q=q)
+    def with_q(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed, min_p_first=False):
+        return kernel.sample_reference(logits, temperature, top_k, top_p, min_p, q=q, min_p_first=min_p_first)
 
     monkeypatch.setattr(kernel, "sample_torch", with_q)
-    f = compiled(vllm_rows_sample)
+    f = compiled(sample)
     with torch.no_grad():
         torch.manual_seed(5)
-        want = vllm_rows_sample(logits)
+        want = sample(logits)
         got = f(logits)
     assert fired() == {"sample": 1}
     assert got.tolist() == want.tolist()
@@ -536,8 +582,8 @@ def top_p_before_top_k(scores):
     return torch.multinomial(torch.softmax(scores, dim=-1), 1)
 
 
-def min_p_before_top_p(scores):
-    scores = chains.hf_top_p_warper(chains.hf_min_p_warper(scores, 0.1), 0.8)
+def top_p_before_min_p_before_top_k(scores):
+    scores = chains.hf_top_k_warper(chains.hf_min_p_warper(chains.hf_top_p_warper(scores, 0.8), 0.1), 5)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1)
 
 
@@ -573,7 +619,7 @@ def min_p_tensor_keep_step(scores):  # the keep step is a no-op only for min_p <
     (top_p_strict, "cumsum < 1 - p"),
     (top_p_descending, "sorts descending"),
     (top_p_before_top_k, "applied as top-p -> top-k"),
-    (min_p_before_top_p, "applied as min-p -> top-p"),
+    (top_p_before_min_p_before_top_k, "applied as top-p -> min-p -> top-k"),
     (min_p_of_other_probs, "another tensor than the one masked"),
     (top_p_keeps_two, "min_tokens_to_keep > 1"),
     (top_p_returns_cumsum, "also used by"),

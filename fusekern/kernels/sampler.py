@@ -313,8 +313,9 @@ def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
 @triton.jit
 def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
                      HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
-                     SMALL: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+                     SMALL: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr, MIN_P_FIRST: tl.constexpr):
     """Top-p and min-p over the kept candidates, then the race; returns (best packed score, exact).
+    ``MIN_P_FIRST`` (vLLM's order): min-p before top-p, whose softmax is then over the top-k and min-p set.
 
     ``restricted``: the kept set is already the top-k set (top-p's softmax is over it). Otherwise
     (no top-k) kept holds every token at or above T, and the result is exact only where what the
@@ -322,6 +323,10 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
     and a cumsum (pairwise sums over a 2-D tile measured 1.4 us slower at B = 1 on the H200, git 948cd5e);
     in a large one: a binary search over keys.
     """
+    if HAS_MIN_P and MIN_P_FIRST:  # (the same lines as min-p's below, which keep HF's order's code as it was)
+        kept &= tl.exp(x - m) >= min_p
+        exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
+        restricted = tl.full((), 1, tl.int1)
     if HAS_TOP_P:
         if top_p < 1.0:
             e = tl.where(kept, tl.exp(x - m), 0.0)
@@ -346,7 +351,7 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
                 top = tl.max(tl.where(kept, key, MIN_KEY), axis=0).to(tl.int64)
                 kept &= key.to(tl.int64) >= _top_p_key(key, x, kept, m, top_p * z, lo, top, KEY_BITS)
             restricted = tl.full((), 1, tl.int1)
-    if HAS_MIN_P:
+    if HAS_MIN_P and not MIN_P_FIRST:
         kept &= tl.exp(x - m) >= min_p
         # unless restricted already, every token below T must have exp(x - m) < min_p
         exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
@@ -359,9 +364,11 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
 @triton.jit
 def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_NOISE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, MIN_P_FIRST: tl.constexpr):
     """Slow path, exact over the whole row (passes over it from L2): top-k pivot by radix select, the max
-    and the sum of exp over the top-k set, the top-p key by binary search, then the race."""
+    and the sum of exp over the top-k set (and the min-p set, ``MIN_P_FIRST``), the top-p key by binary
+    search, then the race."""
+    FIRST: tl.constexpr = HAS_MIN_P and MIN_P_FIRST  # top-p's mass counts only what min-p keeps
     pivot = tl.full((), MIN_KEY, tl.int64)
     if HAS_TOP_K:
         if k < V:
@@ -392,7 +399,11 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
             for off in range(0, V, BLOCK):
                 offs = off + tl.arange(0, BLOCK)
                 x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
-                z += tl.sum(tl.where((offs < V) & (key.to(tl.int64) >= pivot), tl.exp(x - m), 0.0), axis=0)
+                if FIRST:
+                    e = tl.exp(x - m)
+                    z += tl.sum(tl.where((offs < V) & (key.to(tl.int64) >= pivot) & (e >= min_p), e, 0.0), axis=0)
+                else:
+                    z += tl.sum(tl.where((offs < V) & (key.to(tl.int64) >= pivot), tl.exp(x - m), 0.0), axis=0)
             lo = tl.maximum(pivot - 1, -1 if KEY_BITS == 16 else MIN_KEY - 1)  # 16-bit keys start at 0
             hi = top
             # A runtime loop: unrolled (33 steps for fp32 keys) ptxas spilled 140 bytes in the fp32 finish.
@@ -403,7 +414,13 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
                     offs = off + tl.arange(0, BLOCK)
                     x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
                     k64 = key.to(tl.int64)
-                    above += tl.sum(tl.where((offs < V) & (k64 >= pivot) & (k64 > mid), tl.exp(x - m), 0.0), axis=0)
+                    if FIRST:
+                        e = tl.exp(x - m)
+                        above += tl.sum(tl.where((offs < V) & (k64 >= pivot) & (k64 > mid) & (e >= min_p), e, 0.0),
+                                        axis=0)
+                    else:
+                        above += tl.sum(tl.where((offs < V) & (k64 >= pivot) & (k64 > mid), tl.exp(x - m), 0.0),
+                                        axis=0)
                 go_down = above < top_p * z
                 hi = tl.where(go_down & (mid > lo), mid, hi)
                 lo = tl.where(go_down, lo, mid)
@@ -613,7 +630,8 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr, out_ptr, C,
             HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
             ROW_SUM: tl.constexpr, SLOTS: tl.constexpr, C_BLOCK: tl.constexpr, KEPT_BLOCK: tl.constexpr,
-            ROW_BLOCK: tl.constexpr, PIVOT_FAN: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+            ROW_BLOCK: tl.constexpr, PIVOT_FAN: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr,
+            MIN_P_FIRST: tl.constexpr):
     """Step 2 for one row: from its chunks' candidates (raw-logit keys) to the sampled token."""
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     cc = tl.arange(0, C_BLOCK)
@@ -696,14 +714,15 @@ def _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, 
             kkey = tl.where(small, _key_of(kx, DTYPE), MIN_KEY)
             best, exact = _filter_and_race(kx, kkey, kidx, small, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, True,
-                                           KEY_BITS, DTYPE)
+                                           KEY_BITS, DTYPE, MIN_P_FIRST)
         else:
             best, exact = _filter_and_race(cx, ckey, cidx, kept, exact, restricted, m, z_row, T, top_p, min_p,
                                            seed, row, V, noise_ptr, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, False,
-                                           KEY_BITS, DTYPE)
+                                           KEY_BITS, DTYPE, MIN_P_FIRST)
         if not exact:
             best, m = _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, seed,
-                                  noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK)
+                                  noise_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, KEY_BITS, ROW_BLOCK,
+                                  MIN_P_FIRST)
     # NaN or +inf anywhere, or no finite logit: the original softmax is all NaN, its argmax token 0.
     token = tl.where(bad | (m == float("-inf")), 0, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.store(out_ptr + row, token)
@@ -723,7 +742,7 @@ def _sample_kernel(
     ROW_SUM: tl.constexpr, FINISH: tl.constexpr, SUB: tl.constexpr, SG: tl.constexpr,
     BLOCK: tl.constexpr, SLOTS: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, C_BLOCK: tl.constexpr,
     KEPT_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PIVOT_FAN: tl.constexpr, KEY_BITS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, MIN_P_FIRST: tl.constexpr = False,
 ):
     """Step 1 (FINISH false): grid (rows, chunks), one CTA per chunk. Step 2 (FINISH): grid (rows,), one
     CTA per row. (Finishing a row in step 1's last CTA to get there, by a ticket counter, measured no
@@ -781,7 +800,7 @@ def _sample_kernel(
         _finish(row, logits_ptr, V, stride_row, temperature, k, top_p, min_p, seed, noise_ptr,
                 thr_ptr, cnt_ptr, rmax_ptr, max_ptr, sum_ptr, best_ptr, bad_ptr, cand_ptr,
                 out_ptr, C, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, HAS_NOISE, ROW_SUM, SLOTS, C_BLOCK,
-                KEPT_BLOCK, ROW_BLOCK, PIVOT_FAN, KEY_BITS, DTYPE)
+                KEPT_BLOCK, ROW_BLOCK, PIVOT_FAN, KEY_BITS, DTYPE, MIN_P_FIRST)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -854,6 +873,7 @@ def sample_triton(
     gather: int | None = None,
     pivot_fan: int | None = None,
     step1_only: bool = False,
+    min_p_first: bool = False,
 ):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B] (or ``out``: int64 or int32 [B]).
 
@@ -873,6 +893,9 @@ def sample_triton(
     kc <= groups <= block); ``finish_warps``: of step 2's CTA; ``sub``: tokens per step of the passes that
     re-read a chunk (a power of two <= block); ``gather``: steps whose flagged positions are re-read at once;
     ``pivot_fan``: points counted per round of step 2's search for the top-k pivot.
+    ``min_p_first``: apply min-p before top-p (vLLM's order: top-p's softmax is then over the tokens both
+    top-k and min-p keep); the default is Hugging Face's order, top-k, top-p, min-p. (Top-k and min-p
+    commute: each keeps the largest x down to a bound.)
     ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
     each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
     ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
@@ -949,7 +972,7 @@ def sample_triton(
         HAS_NOISE=noise is not None, ROW_SUM=has_p and (not has_k or topk is not None), BLOCK=block, SLOTS=slots,
         KC=kc, GROUPS=groups, C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc), ROW_BLOCK=min(2048, block),
         KEY_BITS=key_bits, SUB=sub, SG=gather, PDL=pdl,
-        PIVOT_FAN=pivot_fan,
+        PIVOT_FAN=pivot_fan, MIN_P_FIRST=bool(min_p_first) and has_m and has_p,  # (order matters only then)
     )
     if step1_only and not (has_k or has_p or has_m):
         raise ValueError("sample: step1_only needs a filter (without one step 1 writes no candidates)")
@@ -998,7 +1021,7 @@ def aot_builds():
             GROUPS=groups_for(kc, block), C_BLOCK=next_power_of_2(C), KEPT_BLOCK=kept_block(kc),
             ROW_BLOCK=2048, KEY_BITS=key_bits,
             SUB=min(sub_block(warps), block), SG=gather_steps(warps, slots), PDL=B >= 128,  # as uses_pdl on Hopper
-            PIVOT_FAN=pivot_fan_for(key_bits))
+            PIVOT_FAN=pivot_fan_for(key_bits), MIN_P_FIRST=False)
         config = f"{dtype} B={B} BLOCK={block} span={span} SLOTS={slots} top-k+top-p"
         builds.append(TritonBuild("sampler_chunks", config, _sample_kernel, args, dict(constexprs, FINISH=False),
                                   num_warps=warps))
@@ -1017,9 +1040,10 @@ def _per_row(value, B, default, dtype):
     return t.reshape(-1).cpu().to(dtype).expand(B)
 
 
-def kept_mask(x: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+def kept_mask(x: torch.Tensor, top_k, top_p, min_p, min_p_first: bool = False) -> torch.Tensor:
     """Which tokens of x [B, V] (float64) the filters keep, by their definition (module docstring):
-    top-k with ties, then top-p as mass(x > x_i) < p over the top-k softmax, then min-p."""
+    top-k with ties, then top-p as mass(x > x_i) < p over the top-k softmax, then min-p; ``min_p_first``:
+    min-p before top-p, whose softmax is then over the top-k and min-p set."""
     B, V = x.shape
     k = _per_row(top_k, B, V, torch.int64).clamp(1, V)
     p = _per_row(top_p, B, 1.0, torch.float64)
@@ -1030,6 +1054,8 @@ def kept_mask(x: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
         if k[b] < V:
             kept[b] &= row >= row.topk(int(k[b])).values[-1]
         m = row.max()
+        if min_p_first and mp[b] > 0:
+            kept[b] &= torch.exp(row - m) >= mp[b]
         e = torch.where(kept[b], torch.exp(row - m), 0.0)
         if p[b] < 1:  # mass_gt[i] = sum of e[j] over x[j] > x[i]: the mass before i's tie group, sorted
             xs, order = row.sort(descending=True)
@@ -1042,7 +1068,8 @@ def kept_mask(x: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
     return kept
 
 
-def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, q: torch.Tensor):
+def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, q: torch.Tensor,
+                     min_p_first: bool = False):
     """The sampler in float64 with given exponential noise ``q`` [B, V] (the race's draws).
 
     x is rounded to the logits' dtype after the division, as the original graph does; a row containing
@@ -1055,13 +1082,14 @@ def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None
     x = (logits.cpu().float() / temp).to(logits.dtype).double()
     bad = (torch.isnan(x) | (x == float("inf"))).any(-1) | (x == float("-inf")).all(-1)
     xs = torch.where(torch.isnan(x), 0.0, x).clamp(max=1e300)
-    kept = kept_mask(xs, top_k, top_p, min_p)
+    kept = kept_mask(xs, top_k, top_p, min_p, min_p_first)
     probs = torch.softmax(torch.where(kept, xs, float("-inf")), dim=-1)
     tokens = torch.argmax(probs / q.cpu().double(), dim=-1)
     return torch.where(bad, 0, tokens)
 
 
-def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed: torch.Tensor):
+def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, seed: torch.Tensor,
+                 min_p_first: bool = False):
     """The same sampler in plain PyTorch (fp32), noise from a generator seeded by ``seed``: the CPU path."""
     B, V = logits.shape
     g = torch.Generator(device=logits.device).manual_seed(int(seed.reshape(-1)[0]))
@@ -1076,6 +1104,9 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
         k = _per_row(top_k, B, V, torch.int64).clamp(1, V).to(x.device).reshape(B, 1)
         kept_s &= xs >= xs.gather(-1, k - 1)
     m = xs[:, :1]
+    mp = None if min_p is None else _per_row(min_p, B, 0.0, torch.float32).to(x.device).reshape(B, 1)
+    if min_p_first and mp is not None:
+        kept_s &= torch.exp(xs - m) >= mp
     e = torch.where(kept_s, torch.exp(xs - m), 0.0)
     if top_p is not None:
         p = _per_row(top_p, B, 1.0, torch.float32).to(x.device).reshape(B, 1)
@@ -1083,8 +1114,7 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
         first = torch.searchsorted(-xs, -xs, side="left")  # ties: the mass strictly greater
         above = before.gather(-1, first)
         kept_s &= (above < p * e.sum(-1, keepdim=True)) | (above == 0) | (p >= 1)
-    if min_p is not None:
-        mp = _per_row(min_p, B, 0.0, torch.float32).to(x.device).reshape(B, 1)
+    if mp is not None:
         kept_s &= torch.exp(xs - m) >= mp
     kept = torch.empty_like(kept_s).scatter_(-1, order, kept_s)
     score = torch.where(kept, x, float("-inf")) - torch.log(q)
@@ -1097,21 +1127,24 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
 # A parameter is a tensor (1 or B values) or a scalar; the scalar's "none" values: top_k >= V,
 # top_p >= 1, min_p <= 0. seed None: the op draws it from torch's generator (the rewrite passes None).
 # out_dtype: int64 (None) or int32, written by the kernel (gpt-fast casts its token to int32).
+# min_p_first: min-p before top-p (vLLM's order), see sample_triton.
 
 torch.library.define(
     "fusekern::sample",
     "(Tensor logits, Tensor? temperature, float temperature_scalar, Tensor? top_k, SymInt top_k_scalar, "
     "Tensor? top_p, float top_p_scalar, Tensor? min_p, float min_p_scalar, Tensor? seed, "
-    "ScalarType? out_dtype=None) -> Tensor",
+    "ScalarType? out_dtype=None, bool min_p_first=False) -> Tensor",
     tags=(torch.Tag.nondeterministic_seeded,),  # draws from torch's generator: never deduplicated or reordered
 )
 
 NO_TOP_K = 2**31 - 1
 
 
-def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar, min_p, min_p_scalar):
+def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar, min_p, min_p_scalar,
+            min_p_first):
     V = logits.shape[-1]
     return dict(
+        min_p_first=bool(min_p_first),
         temperature=temperature if temperature is not None else temperature_scalar,
         top_k=top_k if top_k is not None else (top_k_scalar if top_k_scalar < V else None),
         top_p=top_p if top_p is not None else (top_p_scalar if top_p_scalar < 1.0 else None),
@@ -1121,16 +1154,16 @@ def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
 
 @torch.library.impl("fusekern::sample", "CUDA")
 def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                 min_p, min_p_scalar, seed, out_dtype=None):
+                 min_p, min_p_scalar, seed, out_dtype=None, min_p_first=False):
     """One token per row: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, fused."""
     out = torch.empty(logits.shape[0], dtype=out_dtype or torch.int64, device=logits.device)
     return sample_triton(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
-                                           top_p_scalar, min_p, min_p_scalar), seed=seed, out=out)
+                                           top_p_scalar, min_p, min_p_scalar, min_p_first), seed=seed, out=out)
 
 
 @torch.library.impl("fusekern::sample", "CPU")
 def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                min_p, min_p_scalar, seed, out_dtype=None):
+                min_p, min_p_scalar, seed, out_dtype=None, min_p_first=False):
     check_args(logits, seed, out_dtype)
     for what, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
@@ -1140,13 +1173,13 @@ def _sample_cpu(logits, temperature, temperature_scalar, top_k, top_k_scalar, to
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=out_dtype or torch.int64)
     tokens = sample_torch(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
-                                            top_p_scalar, min_p, min_p_scalar), seed=seed)
+                                            top_p_scalar, min_p, min_p_scalar, min_p_first), seed=seed)
     return tokens.to(out_dtype or torch.int64)
 
 
 @torch.library.register_fake("fusekern::sample")
 def _sample_fake(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
-                 min_p, min_p_scalar, seed, out_dtype=None):
+                 min_p, min_p_scalar, seed, out_dtype=None, min_p_first=False):
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     if out_dtype not in (None, torch.int64, torch.int32):

@@ -8,14 +8,15 @@ chains are already decomposed. The rewrite starts at every ``argmax`` and ``mult
          (any rate l: scaling every q by one constant does not change the argmax)
     or multinomial(P, 1)                       Hugging Face's sampling step (same distribution)
       P: softmax(z, dim=-1)                    amax / sub / exp / sum / div, with or without fp32 casts
-      z: the filters, each optional, in this order (the kernel's and Hugging Face's; vLLM's v1 sampler
-         runs its min-p, a boolean index_put not matched here, before top-k / top-p):
+      z: the filters, each optional and applied once, top-k before top-p; min-p after top-p (Hugging Face's
+         order) or before it (vLLM's v1 sampler: then top-p's softmax is over what min-p keeps too):
          top-k   where(x < topk(x, k).values[..., -1:], -inf, x)      gpt-fast, HF TopKLogitsWarper
          top-p   HF TopPLogitsWarper: sort ascending, cumsum(softmax) <= 1 - p, keep the last,
                  scatter the mask back, masked_fill -inf
          min-p   HF MinPLogitsWarper: probs = softmax(x), probs < min_p * amax(probs) (or max) masked
                  -inf, with or without its keep-the-top step (topk(probs, 1) scatter False; or argsort
-                 descending, gather, [..., :1] = False, scatter): a no-op for a constant min_p <= 1
+                 descending, gather, [..., :1] = False, scatter): a no-op for a constant min_p <= 1;
+                 or vLLM's MinPLogitsProcessor: the same mask written as ``x[mask] = -inf`` (index_put)
          or vLLM's apply_top_k_top_p in the sorted domain: sort ascending, top-k as
                  sorted < sorted.gather(1, V - k), top-p as above, then sorted.scatter(-1, idx, sorted)
       x: logits / T                            T a Python number, a one-element tensor, or one value
@@ -27,8 +28,7 @@ Whatever lies above x (e.g. Hugging Face's repetition penalty, a gather / where 
 logits: it stays in the graph for inductor and the sampler starts from its output. So does a -inf mask
 that does not look like any filter above.
 A candidate is declined (graph unchanged, reason in the match report) when a piece is missing or
-different, when the filters come in another order than top-k, top-p, min-p (top-p before top-k keeps
-another set), when an intermediate (the probabilities, a mask) is used outside the chain (e.g. returned:
+different, when top-p comes before top-k (that keeps another set), when an intermediate (the probabilities, a mask) is used outside the chain (e.g. returned:
 it would have to be computed anyway), when top-k is not a positive int, when top-p compares
 ``cumsum < 1 - p`` (it keeps a token whose cumsum equals 1 - p, the kernel drops it as HF and vLLM do),
 sorts descending, or keeps more than one token (min_tokens_to_keep > 1), when a constant top-p is <= 0
@@ -37,7 +37,8 @@ when min-p's probabilities are not the softmax of the tensor it masks, when min-
 comes with a min_p that is not a constant <= 1 (only then is it provably a no-op), when the
 temperature promotes the logits to another dtype, or when the logits are not bf16/fp16/fp32 on CPU/CUDA.
 The kernel sums the top-p mass in fp32: a bf16/fp16 chain's rounded cumsum may drop or keep the one
-token at the boundary differently (Hugging Face and vLLM sample from fp32 logits).
+token at the boundary differently (Hugging Face and vLLM sample from fp32 logits). A min-p over 16-bit
+probabilities is declined: their rounding moves the bound by whole tie groups of tokens.
 NaN or +inf logits: the original race's softmax is all NaN there and its argmax is token 0; the kernel
 returns 0 for such rows too. ``torch.multinomial`` raises on such rows instead: after the rewrite they
 give token 0 (a difference on invalid input only).
@@ -125,20 +126,25 @@ def _scalar_value(n):
     return None
 
 
-def _is_zero(n) -> bool:
-    """n is the constant 0 / False: a number, a scalar_tensor / full, or a lifted tensor constant
-    (``mask[..., -1:] = 0`` copies one in)."""
+def _constant_value(n) -> float | None:
+    """_scalar_value, or the value of a one-element lifted tensor constant (``mask[..., -1:] = 0`` and
+    ``logits[mask] = -inf`` copy one in)."""
     if _scalar_value(n) is not None:
-        return _scalar_value(n) == 0
+        return _scalar_value(n)
     if _is(n, aten.lift_fresh_copy.default):
         n = n.args[0]
     if not (isinstance(n, Node) and n.op == "get_attr" and n.graph.owning_module is not None):
-        return False
+        return None
     const = functools.reduce(lambda o, a: getattr(o, a, None), n.target.split("."), n.graph.owning_module)
     if not isinstance(const, torch.Tensor) or isinstance(const, FakeTensor) or const.numel() != 1:
-        return False
+        return None
     with unset_fake_temporarily():  # the joint pass runs under fake mode; the constant is a real tensor
-        return bool(const.reshape(()) == 0)
+        return float(const.reshape(()))
+
+
+def _is_zero(n) -> bool:
+    """n is the constant 0 / False: a number, a scalar_tensor / full, or a lifted tensor constant."""
+    return _constant_value(n) == 0
 
 
 def _same_int(a, b) -> bool:
@@ -411,6 +417,12 @@ def _min_p(cond: Node, y: Node) -> tuple[float | Node, list[Node]]:
     if not _is(mask, aten.lt.Tensor):
         raise Decline("the min-p mask is not probs < min_p * max(probs)")
     probs, scaled = mask.args
+    pv = _val(probs)
+    if isinstance(pv, torch.Tensor) and pv.dtype not in (torch.float32, torch.float64):
+        # Rounded to 8 / 11 bits, probs < min_p * max flips whole tie groups of 16-bit logits near the bound
+        # against the kernel's fp32 exp(x - max) >= min_p (16 of 64 random bf16 rows of 32000 differed).
+        raise Decline(f"min-p compares {pv.dtype} probabilities, whose rounding keeps other tokens near the bound "
+                      "than the kernel's fp32 test (Hugging Face and vLLM sample from fp32 logits)")
     z, softmax_nodes = _softmax_input(probs, "min-p's probabilities")
     if z is not y:
         raise Decline("min-p's probabilities are computed from another tensor than the one masked")
@@ -452,16 +464,33 @@ def _mask_kind(cond: Node, y: Node) -> str | None:
     return None
 
 
+def _masked(z: Node):
+    """(cond, fill, y) for z = where(cond, fill, y), or for vLLM's in-place ``y[cond] = fill`` (a boolean
+    index_put whose result only the chain reads: where the caller's tensor is written back, the index_put
+    stays in the graph as part of the logits); else None."""
+    if _is(z, aten.where.self):
+        return z.args
+    if _is(z, aten.index_put.default) and len(z.users) == 1 and not (z.args[3:] and z.args[3]) \
+            and not z.kwargs.get("accumulate", False):
+        y, indices, fill = z.args[:3]
+        if len(indices) == 1 and isinstance(indices[0], Node):
+            cv, yv = _val(indices[0]), _val(y)
+            if isinstance(cv, torch.Tensor) and cv.dtype == torch.bool and list(cv.shape) == list(yv.shape):
+                return indices[0], fill, y
+    return None
+
+
 def _unsorted_filter(z: Node):
-    """(y, [filter], nodes) for z = where(mask, -inf, y), mask a top-k, top-p or min-p mask of y; None if
-    z is no such mask (then z is the logits, or logits / T)."""
-    if not _is(z, aten.where.self):
+    """(y, [filter], nodes) for z = where(mask, -inf, y) (or y[mask] = -inf), mask a top-k, top-p or
+    min-p mask of y; None if z is no such mask (then z is the logits, or logits / T)."""
+    masked = _masked(z)
+    if masked is None:
         return None
-    cond, fill, y = z.args
+    cond, fill, y = masked
     kind = _mask_kind(cond, y)
     if kind is None:
         return None
-    if _scalar_value(fill) != -math.inf:
+    if _constant_value(fill) != -math.inf:
         raise Decline("the mask does not fill with -inf")
     value, nodes = {"top-k": _top_k, "top-p": _hf_top_p, "min-p": _min_p}[kind](cond, y)
     return y, [Filter(kind, value)], [z, fill, *nodes]
@@ -523,8 +552,11 @@ def _sorted_filters(z: Node):
     return x, filters, [*nodes, s]
 
 
-def _filters(z: Node) -> tuple[Node, list[Filter], list[Node]]:
-    """(x, filters in the order applied, their nodes): walks up from the softmax input through the masks."""
+def _filters(z: Node) -> tuple[Node, list[Filter], list[Node], bool]:
+    """(x, filters in the order applied, their nodes, min-p before top-p): walks up from the softmax input
+    through the masks. Top-k and min-p commute (each keeps the largest x down to a bound), so only two
+    orders keep different sets: min-p after top-p (Hugging Face's, the kernel's default) or before it
+    (vLLM's: top-p's softmax is then over what min-p keeps too; the op's ``min_p_first``)."""
     filters, nodes = [], []
     while (step := _unsorted_filter(z) or _sorted_filters(z)) is not None:
         z, found, found_nodes = step
@@ -532,10 +564,13 @@ def _filters(z: Node) -> tuple[Node, list[Filter], list[Node]]:
         nodes += found_nodes
     filters.reverse()
     kinds = [f.kind for f in filters]
-    if kinds != sorted(set(kinds), key=ORDER.index):
-        raise Decline(f"the filters are applied as {' -> '.join(kinds)}: the kernel applies top-k, then top-p, "
-                      "then min-p, each once (another order keeps another set)")
-    return z, filters, [n for n in nodes if isinstance(n, Node)]
+    if len(set(kinds)) != len(kinds) or ("top-p" in kinds and "top-k" in kinds
+                                         and kinds.index("top-p") < kinds.index("top-k")):
+        raise Decline(f"the filters are applied as {' -> '.join(kinds)}: the kernel applies each once, top-k "
+                      "before top-p (top-p first keeps another set)")
+    min_p_first = "min-p" in kinds and "top-p" in kinds and kinds.index("min-p") < kinds.index("top-p")
+    filters.sort(key=lambda f: ORDER.index(f.kind))
+    return z, filters, [n for n in nodes if isinstance(n, Node)], min_p_first
 
 
 def _temperature(x: Node) -> tuple[Node, float | Node]:
@@ -622,6 +657,7 @@ class SamplerMatch:
     top_p: float | Node | None
     min_p: float | Node | None
     chain: list[Node]  # nodes that must have no users outside the chain
+    min_p_first: bool = False  # min-p before top-p (vLLM's order)
 
 
 def match_sampler(output: Node) -> SamplerMatch:
@@ -631,7 +667,7 @@ def match_sampler(output: Node) -> SamplerMatch:
     else:
         probs, race_nodes, rand = _race(output)
     z, softmax_nodes = _softmax_input(probs)
-    x, filters, filter_nodes = _filters(z)
+    x, filters, filter_nodes, min_p_first = _filters(z)
     logits, temperature = _temperature(x)
     lv = _val(logits)
     if lv is None or lv.dtype not in LOGIT_DTYPES:
@@ -647,7 +683,7 @@ def match_sampler(output: Node) -> SamplerMatch:
         raise Decline("the noise is not drawn per token")
     params = {f.kind: f.value for f in filters}
     return SamplerMatch(output, logits, temperature, params.get("top-k"), params.get("top-p"), params.get("min-p"),
-                        [*race_nodes, *softmax_nodes, *filter_nodes])
+                        [*race_nodes, *softmax_nodes, *filter_nodes], min_p_first)
 
 
 def _users_outside(match: SamplerMatch) -> str | None:
@@ -699,7 +735,7 @@ def _replace(graph: Graph, m: SamplerMatch) -> None:
         # advance it), on CUDA while its first step runs; a randint node here cost inductor two launches
         args = (flat, *_tensor_or_scalar(m.temperature, 1.0), *_tensor_or_scalar(m.top_k, kernel.NO_TOP_K),
                 *_tensor_or_scalar(m.top_p, 1.0), *_tensor_or_scalar(m.min_p, 0.0), None,
-                _val(result).dtype)
+                _val(result).dtype, m.min_p_first)
         tokens = graph.call_function(kernel.sample.default, args)
         tokens.meta["val"] = _fake(kernel.sample, *args)
         out = graph.call_function(aten.reshape.default, (tokens, list(_val(result).shape)))

@@ -113,11 +113,24 @@ def vllm_apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torc
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
+def vllm_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``MinPLogitsProcessor.apply``: min_p float [B]; masks ``logits`` in place (a boolean index_put)."""
+    probability_values = torch.nn.functional.softmax(logits, dim=-1)
+    max_probabilities = torch.amax(probability_values, dim=-1, keepdim=True)
+    adjusted_min_p = max_probabilities.mul_(min_p.unsqueeze(1))
+    invalid_token_mask = probability_values < adjusted_min_p
+    logits[invalid_token_mask] = -float("inf")
+    return logits
+
+
 def vllm_sample(logits: torch.Tensor, temperature: torch.Tensor, k: torch.Tensor | None,
-                p: torch.Tensor | None) -> torch.Tensor:
-    """Temperature (in place, as vLLM's ``apply_temperature``), top-k / top-p, then ``random_sample``'s
-    exponential race; int64 [B]. Mutates ``logits``."""
+                p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature (in place, as vLLM's ``apply_temperature``), min-p (an argmax-invariant logits processor,
+    before top-k / top-p), top-k / top-p, then ``random_sample``'s exponential race; int64 [B]. Mutates
+    ``logits``."""
     logits = logits.div_(temperature.unsqueeze(dim=1))
+    if min_p is not None:
+        logits = vllm_min_p(logits, min_p)
     logits = vllm_apply_top_k_top_p(logits, k, p)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     q = torch.empty_like(probs).exponential_()
