@@ -105,7 +105,16 @@ def near_miss_promoting_temperature(logits, ids, T):
     return (logits / T).scatter(-1, ids, float("-inf")).argmax(dim=-1)
 
 
-@pytest.mark.parametrize("case", ["dim0", "finite_fill", "returned", "promotes", "ids_one_row"])
+def near_miss_temperatures_broadcast(logits, mask, T):  # one row of logits at B temperatures
+    return (logits[:1] / T).masked_fill(mask, float("-inf")).argmax(-1)
+
+
+def near_miss_mask_broadcasts(logits, mask, T):  # one row of logits under B masks (it once crashed the compile)
+    return logits[:1].masked_fill(mask, float("-inf")).argmax(-1)
+
+
+@pytest.mark.parametrize("case", ["dim0", "finite_fill", "returned", "promotes", "ids_one_row", "temperatures_broadcast",
+                                  "mask_broadcasts"])
 def test_near_misses_stay(case):
     B, V = 4, 300
     logits = logits_of(B, V, torch.bfloat16)
@@ -117,6 +126,9 @@ def test_near_misses_stay(case):
         "returned": (near_miss_mask_returned, (logits, mask, 0.7)),
         "promotes": (near_miss_promoting_temperature, (logits, ids, torch.full((B, 1), 0.7, device=DEVICE))),
         "ids_one_row": (scatter_banned, (logits, ids[:1], 0.7)),  # scatter masks row 0 only
+        "temperatures_broadcast": (near_miss_temperatures_broadcast,
+                                   (logits, mask, torch.linspace(0.5, 2, B, device=DEVICE)[:, None])),
+        "mask_broadcasts": (near_miss_mask_broadcasts, (logits, mask, 0.7)),
     }[case]
     if case == "returned":
         torch._dynamo.reset()

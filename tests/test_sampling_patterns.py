@@ -615,6 +615,41 @@ def min_p_tensor_keep_step(scores):  # the keep step is a no-op only for min_p <
     return chains.hf_sample(scores, None, None, None, per_row(scores, 0.1)[:, None])
 
 
+def clamped_noise(logits):  # a clamp of log(u) other than exponential_'s is another distribution
+    probs = torch.softmax(logits, dim=-1)
+    u = torch.rand_like(probs)
+    return torch.argmax(probs / -torch.where(u >= 0.5, -100.0, torch.log(u)), dim=-1)
+
+
+def softmax_without_keepdim(logits):  # e / e.sum(-1) broadcasts along the last dim (square logits run)
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    probs = e / e.sum(-1)
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+def temperatures_broadcast(logits):  # one row of logits at several temperatures: [1, V] / [B, 1]
+    t = torch.linspace(0.5, 2.0, logits.shape[0], device=logits.device, dtype=logits.dtype)[:, None]
+    return torch.multinomial(torch.softmax(logits[:1] / t, dim=-1), 1)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (clamped_noise, "not exponential_'s clamp"),
+    (softmax_without_keepdim, "no keepdim"),
+    (temperatures_broadcast, "broadcasts the logits"),
+])
+def test_probed_near_misses_stay_as_written(fn, reason):
+    """Forms a review probe found the rewrite firing on with another result (a clamp of the noise, a
+    'softmax' whose sum broadcasts) or crashing the compile (temperatures broadcasting one row)."""
+    f = compiled(fn)
+    logits = torch.randn(8, 8, device=DEVICE)
+    with torch.no_grad():
+        out = f(logits)
+    assert out.shape == fn(logits).shape
+    assert fired() == {}
+    reasons = [r.reason for g in fusekern.match_report().graphs for r in g.rejected if r.pattern == "sample"]
+    assert any(reason in r for r in reasons), reasons
+
+
 @pytest.mark.parametrize("fn,reason", [
     (top_p_strict, "cumsum < 1 - p"),
     (top_p_descending, "sorts descending"),

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusekern.kernels import device_info
 from fusekern.kernels import sampler as kernel
@@ -191,6 +192,9 @@ def _softmax_input(p: Node, what: str = "the race numerator") -> tuple[Node, lis
     ndim = _val(zc).dim()
     if amax.args[0] is not zc or not _is_last_dim(amax.args[1], ndim) or not _is_last_dim(total.args[1], ndim):
         raise Decline("softmax is not over the last dim")
+    if _val(amax).dim() != ndim or _val(total).dim() != ndim:
+        # without keepdim the max / sum broadcast along the last dim: another function than softmax
+        raise Decline("the softmax's max or sum drops the reduced dim (no keepdim)")
     return _strip_casts(zc, casts), [*casts, p, exp, total, sub, amax]
 
 
@@ -609,6 +613,13 @@ def _exponential_noise(q: Node) -> list[Node]:
         log, u = inner.args[2], inner.args[2].args[0]
         if inner.args[0].args[0] is not u:
             raise Decline("exponential noise: the clamp tests another tensor than the log")
+        # exponential_'s own clamp: u >= 1 - eps/2 gives -eps/2 instead of log(u) (the draws it touches
+        # have probability eps/2). Another clamp is another distribution.
+        eps = torch.finfo(_val(u).dtype).eps
+        bound, value = inner.args[0].args[1], _scalar_value(inner.args[1])
+        if not (isinstance(bound, (int, float)) and 1 - eps <= bound <= 1 and value is not None and -eps <= value < 0):
+            raise Decline(f"the noise clamps log(u) to {value} where u >= {bound}: not exponential_'s clamp "
+                          "(-eps/2 where u >= 1 - eps/2)")
         nodes += [inner.args[0], log]
     elif _is(inner, aten.log.default):
         u = inner.args[0]
@@ -672,6 +683,10 @@ def match_sampler(output: Node) -> SamplerMatch:
     lv = _val(logits)
     if lv is None or lv.dtype not in LOGIT_DTYPES:
         raise Decline(f"logits dtype {getattr(lv, 'dtype', None)} is not bf16/fp16/fp32")
+    xv = _val(x)
+    if lv.dim() != xv.dim() or not all(statically_known_true(a == b) for a, b in zip(lv.shape, xv.shape)):
+        # one row of logits at B temperatures: the op draws one token per row of its logits
+        raise Decline(f"the temperature broadcasts the logits {tuple(lv.shape)} to {tuple(xv.shape)}")
     if _val(x).dtype != lv.dtype:
         raise Decline(f"logits / T is {_val(x).dtype}, the logits {lv.dtype} (a temperature of another dtype "
                       "promotes them): not supported yet")
