@@ -36,3 +36,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     fusekern.reset_match_report()
     yield
+
+
+@pytest.fixture
+def no_compile_caches():
+    """For tests that read the match report's reasons: a graph loaded from inductor's FX-graph or AOT caches
+    (compiled by an earlier run of the same code) skips the passes and records nothing."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

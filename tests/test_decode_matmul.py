@@ -505,3 +505,70 @@ def test_property_int4_packings(n_words, k_groups, G, axis, word, sym, dtype, M)
     assert torch.equal(prog.evaluate(leaves), env[cone.root])
     got = dm.decode_mm_triton(x.to(DEVICE), [t.to(DEVICE) for t in leaves], prog.to_text())
     assert rel_err(got, dm.decode_mm_reference(x.to(DEVICE), [t.to(DEVICE) for t in leaves], prog.to_text())) <= TOL[dtype]
+
+
+# -- near misses a review probe found (each fired, or broke the compile, before its fix) ------------------------
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_addmm_bias_of_another_dtype_raises_as_in_eager():
+    """An fp32 bias with a bf16 activation: eager's addmm raises (FakeTensor's does not check), the rewrite
+    declines and the compiled function raises the same error (it returned a tensor)."""
+    import fusekern
+
+    x = torch.randn(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randint(-128, 128, (32, 64), dtype=torch.int8, device=DEVICE)
+    s = torch.rand(32, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(32, device=DEVICE)
+
+    def f(x, w, s, b):
+        return F.linear(x, w.to(x.dtype) * s[:, None], b)
+
+    with pytest.raises(RuntimeError, match="dtype"):
+        f(x, w, s, b)
+    torch._dynamo.reset()
+    fusekern.reset_match_report()
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.compile(f, backend="fusekern")(x, w, s, b)
+    assert dict(fusekern.match_report().fired()) == {}
+    assert any("eager's addmm raises" in r.reason for r in fusekern.match_report().rejections())
+
+
+def test_integer_power_of_two_is_not_exp2():
+    """``2 ** e`` of int32 e is an integer power (0 for e < 0): it is declined, not emitted as exp2 (Triton
+    has no integer exp2: the generated kernel failed to compile)."""
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randint(-128, 128, (32, 64), dtype=torch.int8, device=DEVICE)
+    e = torch.randint(-3, 3, (32,), dtype=torch.int32, device=DEVICE)
+
+    def f(x, w, e):
+        return F.linear(x, (w.to(torch.float32) * (2 ** e)[:, None]).to(x.dtype))
+
+    with pytest.raises(Unsupported, match="integer power"):
+        decode_program(f, x, w, e)
+    assert_compiled(f, (x, w, e), fired={}, tol=0.0)
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_packed_weight_marked_dynamic_is_declined_without_a_guard():
+    """A packed weight whose N is marked dynamic: the analysis once read its size with int(), which
+    specialized N and made the compile fail (ConstraintViolationError); now it declines and compiles."""
+    import fusekern
+
+    N, K, G = 64, 256, 64
+
+    def f(x, wp, s):
+        n = wp.shape[0]
+        w = torch.stack([wp & 0xF, wp >> 4], -1).view(n, -1, G).to(x.dtype) - 8
+        return F.linear(x, (w * s[..., None]).view(n, K))
+
+    x = torch.randn(5, K, dtype=torch.bfloat16, device=DEVICE)
+    wp = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEVICE)
+    s = (torch.rand(N, K // G) * 0.02).to(DEVICE, torch.bfloat16)
+    torch._dynamo.mark_dynamic(wp, 0)
+    torch._dynamo.mark_dynamic(s, 0)
+    torch._dynamo.reset()
+    fusekern.reset_match_report()
+    out = torch.compile(f, backend="fusekern")(x, wp, s)
+    assert torch.equal(out, f(x, wp, s)) or rel_err(out.double(), f(x, wp, s).double()) < 1e-2
+    assert any("symbolic shape" in r.reason for r in fusekern.match_report().rejections())

@@ -483,6 +483,7 @@ def test_a_cpu_scalar_with_cuda_operands_declines_instead_of_breaking_the_compil
     assert SF.rewrite_scaled_matmuls(fake_cuda_graph(legacy, args)) == 0
 
 
+@pytest.mark.usefixtures("no_compile_caches")
 @pytest.mark.parametrize("form", ["zero_dim_and_fp32_channel", "bf16_token_fp32_channel", "fp32_bias"])
 def test_mixed_dtype_matmul_raises_as_in_eager(form):
     """A 0-d fp32 scale keeps the bf16 activation bf16 while an fp32 [N, 1] scale makes the weight fp32, and
@@ -505,3 +506,18 @@ def test_mixed_dtype_matmul_raises_as_in_eager(form):
         torch.compile(fns[form], backend="fusekern", options={"fusekern.disable": ["decode_matmul"]})()
     assert dict(fusekern.match_report().fired()) == {}
     assert any("eager raises" in r for r in _reasons()), _reasons()
+
+
+@pytest.mark.parametrize("M", [2, 4])
+def test_taller_activation_blocks_are_not_scaled_twice(M):
+    """Activation blocks two rows tall (``x.view(M // 2, 2, K // g, g) * s``): not an a_block layout (1 x g).
+    The walk once kept the block after stopping at the scaled view, so at M = 2 (where the [1, G] scales
+    pass the kernel's broadcast check) the kernel scaled an already scaled operand: relative error 0.25."""
+    g = torch.Generator().manual_seed(3)
+    x, w = _draw((M, 256), BF16, g), _draw((64, 256), BF16, g)
+    s = (torch.rand(1, 1, 4, 1, generator=g) + 0.5).to(DEVICE, BF16)
+
+    def f(dt, x, w, s):
+        return (x.to(dt).view(M // 2, 2, 4, 64) * s.to(dt)).view(M, 256) @ w.to(dt).t()
+
+    _check(f, (x, w, s), fired=0)

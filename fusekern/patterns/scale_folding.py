@@ -294,11 +294,13 @@ def walk_operand(node: Node, role: str) -> Operand:
             found = _block_view(cur, R, K)
             if found is not None:
                 x, s, gr, g, sshape = found
+                if role == "a" and gr != 1:
+                    # activation blocks span one row (1 x g); a taller block is not one a_block row. The
+                    # walk stops at the scaled view (block stays unset: set, the kernel scaled it again)
+                    break
                 block = (s, sshape, gr, g)
                 mul = cur.args[0]
                 inner = next(a for a in mul.args if isinstance(a, Node) and _is(a, *RESHAPES))
-                if role == "a" and gr != 1:
-                    break  # activation blocks span one row (1 x g); a taller block is not one a_block row
                 peel.nodes.extend([cur, mul, inner])
                 peel.scaled()
                 cur = x

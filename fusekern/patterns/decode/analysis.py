@@ -75,10 +75,16 @@ def _val(node) -> torch.Tensor | None:
 
 
 def _static_shape(v: torch.Tensor, what: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in v.shape)
-    except Exception:  # a SymInt without a fixed value
-        raise Unsupported(f"{what} has a symbolic shape {tuple(v.shape)}") from None
+    """v's sizes as ints; Unsupported for a symbolic one. (``int()`` of a SymInt would specialize it: a guard
+    on the user's dynamic dim, and a compile error where it was marked dynamic.)"""
+    out = []
+    for s in v.shape:
+        if isinstance(s, torch.SymInt):
+            s = s.node.maybe_as_int()
+            if s is None:
+                raise Unsupported(f"{what} has a symbolic shape {tuple(v.shape)}")
+        out.append(int(s))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- the cone
@@ -283,6 +289,8 @@ class _Builder:
         if t == aten.pow.Scalar:  # base ** tensor: only 2 ** e
             if a[0] != 2:
                 raise Unsupported(f"{node.name}: pow with base {a[0]} (only 2 ** e)")
+            if not v.dtype.is_floating_point:  # integer powers (0 for e < 0) are not exp2
+                raise Unsupported(f"{node.name}: an integer power 2 ** e ({v.dtype}; only floating ones)")
             e = self.cast(self._operand(a[1], shape, idx, v.dtype), v.dtype)
             return self.emit("exp2", (e,), v.dtype)
         if t == aten.ldexp.Tensor:  # x * 2 ** e

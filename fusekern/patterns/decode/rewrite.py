@@ -70,6 +70,10 @@ def plan(mm: Node) -> tuple[Cone, DecodeProgram]:
         raise Unsupported(reason)
     if prog.dtype != xv.dtype:
         raise Unsupported(f"the decoded weight is {prog.dtype}, the activation {xv.dtype}")
+    bv = _val(mm.args[0]) if mm.target == aten.addmm.default else None
+    if isinstance(bv, torch.Tensor) and bv.dtype != xv.dtype:
+        # eager's addmm raises there; FakeTensor's does not check, so the graph reaches this pass
+        raise Unsupported(f"the bias is {bv.dtype}, the activation {xv.dtype} (eager's addmm raises)")
     for leaf in cone.leaves:
         if _val(leaf).device != xv.device:
             raise Unsupported(f"{leaf.name} is on {_val(leaf).device}, the activation on {xv.device}")
