@@ -185,6 +185,53 @@ def test_user_pattern_end_to_end():
         fusekern.unregister_pattern(name)
 
 
+@pytest.mark.usefixtures("no_compile_caches")
+def test_user_pattern_constants_must_be_the_patterns():
+    """Inductor's matcher makes a search's float, dtype and scaling-keyword constants wildcards: a search
+    ``add(relu(x), y, alpha=2)`` or ``relu(x) * 0.5`` matched any alpha or factor and the replacement
+    computed the pattern's. Its own constants fire; others are declined with the reason."""
+    spec = dict(x=fusekern.T("M", "K", dtype=torch.float32), y=fusekern.T("M", "K", dtype=torch.float32))
+    cases = {
+        "user_add_alpha": (lambda x, y: torch.add(torch.relu(x), y, alpha=2.0),
+                           lambda x, y: torch.clamp_min(x, 0.0) + 2.0 * y,
+                           lambda x, y: torch.add(torch.relu(x), y, alpha=3.0)),
+        "user_half": (lambda x, y: torch.relu(x) * 0.5 + y,
+                      lambda x, y: torch.clamp_min(x, 0.0) * 0.5 + y,
+                      lambda x, y: torch.relu(x) * 0.7 + y),
+    }
+    x, y = torch.randn(5, 12), torch.randn(5, 12)
+    for name, (search, replacement, other) in cases.items():
+        fusekern.register_pattern(name, search, replacement, inputs=spec)
+        try:
+            assert_compiled(search, (x, y), fired={name: 1}, options={"fusekern.enable": [name]})
+            assert_compiled(other, (x, y), fired={}, options={"fusekern.enable": [name]})
+        finally:
+            fusekern.unregister_pattern(name)
+
+
+def test_constant_disagreement_walks_the_match_beside_the_search():
+    """The check itself, on traced graphs: floats, dtypes and a missing alpha differ; sizes do not."""
+    from fusekern.compiler_pass.canonicalize import trace
+    from fusekern.patterns.constants import disagreement
+
+    x, y = torch.randn(5, 12), torch.randn(5, 12)
+
+    def out(fn, *args):
+        g = trace(fn, list(args)).graph
+        return g, [next(n for n in g.nodes if n.op == "output").args[0]]
+
+    half, _ = out(lambda x, y: torch.relu(x) * 0.5 + y, x, y)
+    assert disagreement([half], out(lambda x, y: torch.relu(x) * 0.5 + y, x, y)[1]) is None
+    assert "0.7" in disagreement([half], out(lambda x, y: torch.relu(x) * 0.7 + y, x, y)[1])
+    alpha, _ = out(lambda x, y: torch.add(torch.relu(x), y), x, y)
+    assert "alpha=2" in disagreement([alpha], out(lambda x, y: torch.add(torch.relu(x), y, alpha=2), x, y)[1])
+    cast, _ = out(lambda x, y: x.to(torch.bfloat16) + y.to(torch.bfloat16), x, y)
+    assert "torch.float16" in disagreement([cast], out(lambda x, y: x.to(torch.float16) + y.to(torch.float16), x, y)[1])
+    view, _ = out(lambda x, y: (x + y).view(60), x, y)  # sizes stay wildcards: another shape is still a match
+    assert disagreement([view], out(lambda x, y: (x + y).view(30, 2), x.reshape(6, 10), y.reshape(6, 10))[1]) is None
+    assert "line up" in disagreement([half], out(lambda x, y: torch.relu(x) - y, x, y)[1])
+
+
 def test_entry_point_group_is_loaded(monkeypatch):
     import importlib.metadata as md
 

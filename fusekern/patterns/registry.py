@@ -428,9 +428,6 @@ def get_pattern(name: str) -> Pattern:
 # ----------------------------------------------------------------------------- inductor pass
 
 
-SCALING_KWARGS = ("alpha", "beta")  # addmm / baddbmm / add / sub keywords that scale an operand
-
-
 def _build_matcher_pass(p: Pattern):
     """Trace every variant of ``p`` into one PatternMatcherPass; the check records refusals."""
     from torch._inductor.pattern_matcher import PatternMatcherPass, register_replacement
@@ -439,18 +436,17 @@ def _build_matcher_pass(p: Pattern):
     from fusekern.compiler_pass.report import record_rejection
 
     argnames = list(p.inputs)
-    allowed: set = set()  # the (op, alpha / beta, value) the search functions themselves use
+    searches: list = []  # the traced search of each variant, traced when a first match needs them
 
     def extra_check(match) -> bool:
-        # Inductor's matcher compares the arguments a pattern node has, not the keywords it lacks: a search
-        # for ``addmm(b, x, w)`` also matches ``addmm(b, x, w, beta=0.5)``, ``add`` matches ``add(a, b,
-        # alpha=2)``, and the replacement would drop the scaling.
-        for n in match.nodes:
-            for key in SCALING_KWARGS:
-                if n.kwargs.get(key, 1) != 1 and (n.target, key, n.kwargs[key]) not in allowed:
-                    record_rejection(p.name, str(match.output_nodes()[0]),
-                                     f"{n.name} scales by {key}={n.kwargs[key]}, which the pattern does not compute")
-                    return False
+        from fusekern.patterns.constants import disagreement
+
+        if not searches:
+            searches.extend(trace(p.search, list(p.example_inputs(v).values())).graph for v in p.variants())
+        why = disagreement(searches, match.output_nodes())
+        if why is not None:
+            record_rejection(p.name, str(match.output_nodes()[0]), f"{why} (constants must be the pattern's)")
+            return False
         values = {}
         for arg in argnames:
             node = match.kwargs.get(arg)
@@ -466,8 +462,6 @@ def _build_matcher_pass(p: Pattern):
     named = {"pattern_name": p.name} if "pattern_name" in inspect.signature(register_replacement).parameters else {}
     for variant in p.variants():
         args = list(p.example_inputs(variant).values())
-        allowed.update((n.target, k, n.kwargs[k]) for n in trace(p.search, args).graph.nodes
-                       for k in SCALING_KWARGS if k in n.kwargs)
         register_replacement(
             p.search, p.replacement, args, trace, mpass,
             extra_check=extra_check, skip_duplicates=True, **named,
