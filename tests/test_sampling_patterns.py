@@ -529,8 +529,9 @@ def test_vllm_race_gives_the_original_tokens_given_its_noise(monkeypatch, sample
     assert got.tolist() == want.tolist()
 
 
-def test_vllm_dynamic_batch_one_compile():
-    f = compiled(vllm_sample, dynamic=True)
+@pytest.mark.parametrize("sample", [vllm_sample, vllm_min_p_sample])
+def test_vllm_dynamic_batch_one_compile(sample):
+    f = compiled(sample, dynamic=True)
     counters.clear()
     with torch.no_grad():
         for B in (3, 17, 40):

@@ -28,7 +28,8 @@ Whatever lies above x (e.g. Hugging Face's repetition penalty, a gather / where 
 logits: it stays in the graph for inductor and the sampler starts from its output. So does a -inf mask
 that does not look like any filter above.
 A candidate is declined (graph unchanged, reason in the match report) when a piece is missing or
-different, when top-p comes before top-k (that keeps another set), when an intermediate (the probabilities, a mask) is used outside the chain (e.g. returned:
+different, when top-p comes before top-k (that keeps another set), when an intermediate (the probabilities,
+a mask) is used outside the chain (e.g. returned:
 it would have to be computed anyway), when top-k is not a positive int, when top-p compares
 ``cumsum < 1 - p`` (it keeps a token whose cumsum equals 1 - p, the kernel drops it as HF and vLLM do),
 sorts descending, or keeps more than one token (min_tokens_to_keep > 1), when a constant top-p is <= 0
@@ -479,7 +480,8 @@ def _masked(z: Node):
         y, indices, fill = z.args[:3]
         if len(indices) == 1 and isinstance(indices[0], Node):
             cv, yv = _val(indices[0]), _val(y)
-            if isinstance(cv, torch.Tensor) and cv.dtype == torch.bool and list(cv.shape) == list(yv.shape):
+            if isinstance(cv, torch.Tensor) and cv.dtype == torch.bool and cv.dim() == yv.dim() \
+                    and all(statically_known_true(a == b) for a, b in zip(cv.shape, yv.shape)):
                 return indices[0], fill, y
     return None
 
