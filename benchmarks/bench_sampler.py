@@ -1,11 +1,13 @@
 """Sampling, V = 128256, bf16 logits, per pattern style (the issue's target: top-k 50 + top-p 0.9 + T 0.8).
 
     python benchmarks/bench_sampler.py [--csv benchmarks/results/h200/sampler.csv] [--bs 1,8,32,256,512]
-                                       [--styles hf,gpt_fast,vllm]
+                                       [--styles hf,gpt_fast,vllm,vllm_min_p]
 
 Styles: ``hf`` (Hugging Face warpers: temperature, top-k 50, top-p 0.9, multinomial), ``gpt_fast``
 (temperature, top-k 50, exponential race), ``vllm`` (vLLM's sort-based top-k/top-p with per-row
-temperature / k / p tensors, exponential race; the logits are cloned per call, as vLLM mutates them).
+temperature / k / p tensors, exponential race; the logits are cloned per call, as vLLM mutates them),
+``vllm_min_p`` (the same with vLLM's min-p 0.05 before top-k / top-p, on the logits cast to fp32 as vLLM
+samples them: min-p over bf16 probabilities is declined).
 Variants: eager, stock torch.compile (default and reduce-overhead = CUDA graphs), fusekern (both modes),
 ``*_graph``: the default-mode compiled function captured whole in one CUDA graph and replayed by
 ``do_bench_cudagraph`` (GPU time only: what a serving loop that graphs its decode step sees; the
@@ -27,7 +29,7 @@ from fusekern.testing.sampling_chains import gpt_fast, hf_sample, vllm_sample
 
 BW = 4.3e12
 V = 128256
-T, K, P = 0.8, 50, 0.9
+T, K, P, MIN_P = 0.8, 50, 0.9, 0.05
 
 
 def styles(B: int, device="cuda"):
@@ -39,6 +41,8 @@ def styles(B: int, device="cuda"):
         "hf": (lambda x: hf_sample(x, T, K, P), dict(top_k=K, top_p=P)),
         "gpt_fast": (lambda x: gpt_fast(x, T, K), dict(top_k=K)),
         "vllm": (lambda x: vllm_sample(x.clone(), t_rows, k_rows, p_rows), dict(top_k=K, top_p=P)),
+        "vllm_min_p": (lambda x: vllm_sample(x.float(), t_rows, k_rows, p_rows, torch.full((B,), MIN_P, device=device)),
+                       dict(top_k=K, top_p=P, min_p=MIN_P, min_p_first=True, fp32=True)),
     }
 
 
@@ -51,8 +55,10 @@ def in_kept_set(logits, tokens, filters) -> bool:
         _kept["logits"], _kept["masks"] = logits, {}
     key = tuple(sorted(filters.items()))
     if key not in _kept["masks"]:
-        x = (logits.float() / T).to(logits.dtype).double().cpu()
-        _kept["masks"][key] = S.kept_mask(x, filters.get("top_k"), filters.get("top_p"), None)
+        x = logits.float() / T  # as the chain rounds it: in fp32, or back to the logits' dtype
+        x = (x if filters.get("fp32") else x.to(logits.dtype)).double().cpu()
+        _kept["masks"][key] = S.kept_mask(x, filters.get("top_k"), filters.get("top_p"), filters.get("min_p"),
+                                          filters.get("min_p_first", False))
     return bool(_kept["masks"][key].gather(-1, tokens.long().reshape(-1, 1).cpu()).all())
 
 
@@ -87,7 +93,7 @@ def main():
                 tuned = torch.compile(chain, mode="max-autotune-no-cudagraphs")
                 variants["inductor_autotune"] = tuned
                 variants["inductor_autotune_graph"] = tuned
-            if style != "vllm":  # the kernel alone: same filters for every style
+            if style not in ("vllm", "vllm_min_p"):  # the kernel alone: same filters for every style
                 variants["fusekern_kernel"] = lambda x: S.sample_triton(x, T, seed=seed, **filters)
             for name, fn in variants.items():
                 try:
