@@ -80,6 +80,13 @@ def test_v_scale_per_batch_and_head():
     check(sdpa, make(v_scale_shape=(2, 2, 1, 1)))
 
 
+@pytest.mark.parametrize("v_scale_shape", [(1, 1, 1), (2, 1, 1, 1)], ids=["per_head", "per_batch"])
+def test_one_kv_head_at_batch_two(v_scale_shape):
+    """MQA (one KV head) at B = 2: the V scale reaches the op as [B, 1], which the op once read as [B] and
+    refused at the first call (the compile had succeeded)."""
+    check(sdpa, make(B=2, Hq=8, Hkv=1, v_scale_shape=v_scale_shape))
+
+
 def test_scalar_scales():
     def legacy(c, q, k8, v8):
         k = k8.to(q.dtype) * 0.05

@@ -453,12 +453,14 @@ def per_head_v_scale(v_scale, B: int, Hkv: int, device=None) -> torch.Tensor:
     shape = tuple(v_scale.shape)
     if v_scale.numel() == 1:
         return v_scale.reshape(1, 1).expand(B, Hkv)
-    while len(shape) > 1 and shape[-1] == 1:
-        shape = shape[:-1]
-    if shape == (Hkv,):
-        return v_scale.reshape(1, Hkv).expand(B, Hkv)
-    if shape == (B, Hkv):
+
+    def is_(lead):  # shape is lead, then 1s (the prefix compared as a whole: with Hkv = 1, [B, 1] is [B, Hkv])
+        return shape[:len(lead)] == lead and all(d == 1 for d in shape[len(lead):])
+
+    if len(shape) >= 2 and is_((B, Hkv)):
         return v_scale.reshape(B, Hkv)
+    if is_((Hkv,)):
+        return v_scale.reshape(1, Hkv).expand(B, Hkv)
     raise ValueError(f"fp8_kv_decode_attention: v_scale must hold one value per KV head ([{Hkv}] or [{B}, {Hkv}]), "
                      f"got shape {tuple(v_scale.shape)}")
 

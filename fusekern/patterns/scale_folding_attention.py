@@ -13,6 +13,9 @@ Both scales are exact to move: the K scale multiplies the score columns (``q . (
 into the fp32 scores), the V scale the output (``sum p (s v) = s sum p v`` for a head-constant s). The match
 becomes one ``fusekern::fp8_kv_attention`` call: split-KV decode attention that reads the fp8 cache once.
 A per-token V scale, or a K scale that varies along the head dim, cannot move: those graphs stay as written.
+The products are never formed in the graph's dtype: where an fp16 graph's ``k8 * k_scale`` (or V's)
+overflows to inf (|k8| * scale > 65504: a scale above 146 on e4m3's 448), eager's output is NaN and the
+op's finite. Real KV scales are orders of magnitude smaller; the rewrite does not check the values.
 """
 from __future__ import annotations
 
