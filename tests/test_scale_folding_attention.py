@@ -87,6 +87,48 @@ def test_one_kv_head_at_batch_two(v_scale_shape):
     check(sdpa, make(B=2, Hq=8, Hkv=1, v_scale_shape=v_scale_shape))
 
 
+def sliced(c, q, k8, ks, v8, vs, n=150):  # the first n tokens of a static cache
+    k = k8[:, :, :n].to(q.dtype) * ks[:, :, :n, None].to(q.dtype)
+    v = v8[:, :, :n].to(q.dtype) * vs.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True)
+
+
+def heads_last(c, q, k8h, ks, v8h, vs):  # caches stored [B, S, Hkv, D], transposed in the graph
+    k = k8h.transpose(1, 2).to(q.dtype) * ks[..., None].to(q.dtype)
+    v = v8h.transpose(1, 2).to(q.dtype) * vs.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, scale=c, enable_gqa=True)
+
+
+@pytest.mark.parametrize("form", ["sliced", "heads_last"])
+def test_views_of_the_fp8_cache(form):
+    """A slice of the tokens or a transposed heads-last cache: the graph casts the view (canonicalize puts the
+    cast under it); the op reads the same view of the fp8 cache (they were declined as 'not an fp8 cache')."""
+    q, k8, ks, v8, vs = make()
+    if form == "sliced":
+        fn, args = sliced, (q, k8, ks, v8, vs)
+        want = _reference(q, k8[:, :, :150], ks[:, :, :150], v8[:, :, :150], vs, 0.125)
+    else:
+        fn, args = heads_last, (q, k8.transpose(1, 2).contiguous(), ks, v8.transpose(1, 2).contiguous(), vs)
+        want = _reference(q, k8, ks, v8, vs, 0.125)
+    f = functools.partial(fn, 0.125)
+    result = assert_compiled(f, args, fired={"fp8_kv_attention": 1}, options={"fusekern.disable": ["decode_attention"]})
+    assert FUSED in result.targets
+    got = torch.compile(f, backend="fusekern")(*args)
+    assert rel_err(got.cpu().double(), want) < TOL[BF16]
+
+
+def test_a_slice_of_the_head_dim_is_not_a_cache_view():
+    """The op loads the head dim as 4-byte words: a slice of it stays as written."""
+    q, k8, ks, v8, vs = make(D=64)
+
+    def f(q, k8, ks, v8, vs):
+        k = k8[..., :32].to(q.dtype) * ks[..., None].to(q.dtype)
+        v = v8[..., :32].to(q.dtype) * vs.to(q.dtype)
+        return F.scaled_dot_product_attention(q[..., :32], k, v, scale=0.125, enable_gqa=True)
+
+    assert_compiled(f, (q, k8, ks, v8, vs), fired={}, options={"fusekern.disable": ["decode_attention"]})
+
+
 def test_scalar_scales():
     def legacy(c, q, k8, v8):
         k = k8.to(q.dtype) * 0.05

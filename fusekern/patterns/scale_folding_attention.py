@@ -102,8 +102,36 @@ def _strip_gqa(node: Node) -> tuple[Node, int, list]:
     return x, int(group), nodes
 
 
-def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Factors, list]:
-    """Back from k or v ([B, Hkv, S, D]) through casts and scale multiplications to the fp8 cache."""
+CACHE_VIEWS = (aten.slice.Tensor, aten.permute.default, aten.transpose.int)
+
+
+def _cache_views(cur: Node) -> tuple[Node, list[Node]]:
+    """(the node under them, the views bottom-up) for views of a cast cache: ``k8[:, :, :n].to(dt)`` and
+    ``k8h.transpose(1, 2).to(dt)`` reach the pass as views of the cast (canonicalize moves casts above
+    views), which read the same fp8 values: the op reads the view of the fp8 cache instead. Only views that
+    keep the head dim last and whole: the op loads it as 4-byte words."""
+    views = []
+    while _is(cur, *CACHE_VIEWS):
+        v, src = _val(cur), _val(cur.args[0])
+        if v is None or src is None or v.dim() != 4 or src.dim() != 4:
+            break
+        if _is(cur, aten.slice.Tensor):
+            dim = cur.args[1] if len(cur.args) > 1 else 0
+            if dim % 4 == 3 or (len(cur.args) > 4 and cur.args[4] != 1):
+                break
+        elif _is(cur, aten.permute.default):
+            if list(cur.args[1])[-1] % 4 != 3:
+                break
+        elif {cur.args[1] % 4, cur.args[2] % 4} & {3} and cur.args[1] % 4 != cur.args[2] % 4:
+            break
+        views.append(cur)
+        cur = cur.args[0]
+    return cur, views
+
+
+def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, list[Node], Factors, list]:
+    """Back from k or v ([B, Hkv, S, D]) through casts and scale multiplications to the fp8 cache: (the
+    cache, the views of it the op reads (bottom-up, to re-emit on the fp8 cache), factors, nodes)."""
     shape = list(_val(node).shape)
     peel, cur = Peel(), node
     while (above := peel.step(cur, shape, vector_dims)) is not None:
@@ -112,10 +140,27 @@ def _walk_cache(node: Node, what: str, vector_dims: set[int]) -> tuple[Node, Fac
         raise Decline(f"{what}'s scale {peel.not_a_scale.name} is not constant along "
                       f"{'the head dim' if what == 'K' else 'the tokens and the head dim'}: it cannot move")
     cur, factors, nodes = peel.finish(cur), peel.factors, peel.nodes
+    views = []
+    under, found = _cache_views(cur)
+    if found and _is(under, prims.convert_element_type.default) and _val(under.args[0]) is not None \
+            and _val(under.args[0]).dtype == torch.float8_e4m3fn:
+        cur, views = under.args[0], found
+        nodes = [*nodes, *found, under]
     v = _val(cur)
     if v is None or v.dtype != torch.float8_e4m3fn:
         raise Decline(f"{what} is not read from a float8_e4m3fn cache (found {None if v is None else v.dtype})")
-    return cur, factors, nodes
+    return cur, views, factors, nodes
+
+
+def _viewed(emit_or_mode, cache, views):
+    """The views (bottom-up) applied again on ``cache``: fake values under a fake mode, nodes by an emitter."""
+    for view in reversed(views):
+        if isinstance(emit_or_mode, _Emitter):
+            cache = emit_or_mode(view.target, cache, *view.args[1:], **view.kwargs)
+        else:
+            with emit_or_mode:
+                cache = view.target(cache, *view.args[1:], **view.kwargs)
+    return cache
 
 
 ROUNDING_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
@@ -208,9 +253,9 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         if args.get(name) is not None:
             raise Decline("an attention mask / bias")
     args, q, qv, scale, out, k_x, v_x, k_group, gqa = decode_sdpa(n)
-    k8, k_factors, k_nodes = _walk_cache(k_x, "K", {0, 1, 2})
-    v8, v_factors, v_nodes = _walk_cache(v_x, "V", {0, 1})
-    k8v, v8v = _val(k8), _val(v8)
+    k8, k_views, k_factors, k_nodes = _walk_cache(k_x, "K", {0, 1, 2})
+    v8, v_views, v_factors, v_nodes = _walk_cache(v_x, "V", {0, 1})
+    k8v, v8v = _viewed(qv.fake_mode, _val(k8), k_views), _viewed(qv.fake_mode, _val(v8), v_views)
     B, Hkv, S, _ = k8v.shape
     tensors = [q, k8, v8, *k_factors.scalars, *v_factors.scalars, *(r[0] for r in (*k_factors.rows, *v_factors.rows))]
     devices = {_val(t).device for t in tensors}
@@ -227,6 +272,7 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
         except ValueError as e:
             raise Decline(str(e).removeprefix("fp8_kv_decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [k8, v8, q])
+    k8, v8 = _viewed(emit, k8, k_views), _viewed(emit, v8, v_views)
     k_scale, k_round = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
     v_scale, v_round = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
     fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, scale,
