@@ -128,6 +128,11 @@ def find_cone(mm: Node) -> Cone:
     act, root = weight_operand(mm)
     if not isinstance(root, Node):
         raise Unsupported("the weight operand is not a graph value")
+    rv = _val(root)
+    if rv is not None and any(isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None for s in rv.shape):
+        # said first: the cone's size arithmetic (e.g. K / 8 * 8) would otherwise be the reason given
+        raise Unsupported(f"the weight has a symbolic shape {tuple(rv.shape)} (torch marks a weight passed as an "
+                          "argument dynamic once its shape changes between calls; parameters and buffers stay static)")
     nodes, leaves, tables, seen = [], [], set(), set()
     stack = [root]
     while stack:
