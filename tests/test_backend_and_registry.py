@@ -186,50 +186,48 @@ def test_user_pattern_end_to_end():
 
 
 @pytest.mark.usefixtures("no_compile_caches")
-def test_user_pattern_constants_must_be_the_patterns():
-    """Inductor's matcher makes a search's float, dtype and scaling-keyword constants wildcards: a search
-    ``add(relu(x), y, alpha=2)`` or ``relu(x) * 0.5`` matched any alpha or factor and the replacement
-    computed the pattern's. Its own constants fire; others are declined with the reason."""
-    spec = dict(x=fusekern.T("M", "K", dtype=torch.float32), y=fusekern.T("M", "K", dtype=torch.float32))
-    cases = {
-        "user_add_alpha": (lambda x, y: torch.add(torch.relu(x), y, alpha=2.0),
-                           lambda x, y: torch.clamp_min(x, 0.0) + 2.0 * y,
-                           lambda x, y: torch.add(torch.relu(x), y, alpha=3.0)),
-        "user_half": (lambda x, y: torch.relu(x) * 0.5 + y,
-                      lambda x, y: torch.clamp_min(x, 0.0) * 0.5 + y,
-                      lambda x, y: torch.relu(x) * 0.7 + y),
-    }
-    x, y = torch.randn(5, 12), torch.randn(5, 12)
-    for name, (search, replacement, other) in cases.items():
-        fusekern.register_pattern(name, search, replacement, inputs=spec)
-        try:
-            assert_compiled(search, (x, y), fired={name: 1}, options={"fusekern.enable": [name]})
-            assert_compiled(other, (x, y), fired={}, options={"fusekern.enable": [name]})
-        finally:
-            fusekern.unregister_pattern(name)
+def test_user_pattern_keywords_it_lacks_decline_and_its_sizes_stay_free():
+    """Inductor re-matches a search at the matched sizes and dtypes with its constants literal, but never
+    compares a keyword the search's node lacks: ``cumsum(x, -1)`` took ``cumsum(x, -1, dtype=float64)`` and
+    the replacement returned fp32. Declined with the reason; a float derived from a size still fires at
+    every size (a check comparing against the example trace once declined it)."""
+    spec = dict(x=fusekern.T("M", "K", dtype=torch.float32))
+    try:
+        fusekern.register_pattern("user_cumsum", lambda x: torch.cumsum(torch.relu(x), -1) * 2.0,
+                                  lambda x: torch.cumsum(torch.clamp_min(x, 0.0), -1) * 2.0, inputs=spec)
+        fusekern.register_pattern("user_rsqrt_k", lambda x: torch.relu(x) * x.shape[-1] ** -0.5,
+                                  lambda x: torch.clamp_min(x, 0.0) * x.shape[-1] ** -0.5, inputs=spec)
+        x = torch.randn(5, 12)
+        only = {"fusekern.enable": ["user_cumsum", "user_rsqrt_k"]}
+        assert_compiled(lambda x: torch.cumsum(torch.relu(x), -1) * 2.0, (x,), fired={"user_cumsum": 1}, options=only)
+        assert_compiled(lambda x: torch.cumsum(torch.relu(x), -1, dtype=torch.float64) * 2.0, (x,), fired={},
+                        options=only)
+        reasons = [r.reason for r in fusekern.match_report().rejections()]
+        assert any("dtype=torch.float64, which the pattern does not compute" in r for r in reasons), reasons
+        for K in (5, 64):
+            assert_compiled(lambda x: torch.relu(x) * x.shape[-1] ** -0.5, (torch.randn(3, K),),
+                            fired={"user_rsqrt_k": 1}, options=only)
+    finally:
+        for name in ("user_cumsum", "user_rsqrt_k"):
+            if name in [p.name for p in all_patterns()]:
+                fusekern.unregister_pattern(name)
 
 
-def test_constant_disagreement_walks_the_match_beside_the_search():
-    """The check itself, on traced graphs: floats, dtypes and a missing alpha differ; sizes do not."""
+def test_unmatched_keyword_reads_the_schema_defaults():
     from fusekern.compiler_pass.canonicalize import trace
-    from fusekern.patterns.constants import disagreement
+    from fusekern.patterns.constants import unmatched_keyword
 
     x, y = torch.randn(5, 12), torch.randn(5, 12)
 
-    def out(fn, *args):
-        g = trace(fn, list(args)).graph
-        return g, [next(n for n in g.nodes if n.op == "output").args[0]]
+    def nodes(fn):
+        return [n for n in trace(fn, [x, y]).graph.nodes if n.op == "call_function"]
 
-    half, _ = out(lambda x, y: torch.relu(x) * 0.5 + y, x, y)
-    assert disagreement([half], out(lambda x, y: torch.relu(x) * 0.5 + y, x, y)[1]) is None
-    assert "0.7" in disagreement([half], out(lambda x, y: torch.relu(x) * 0.7 + y, x, y)[1])
-    alpha, _ = out(lambda x, y: torch.add(torch.relu(x), y), x, y)
-    assert "alpha=2" in disagreement([alpha], out(lambda x, y: torch.add(torch.relu(x), y, alpha=2), x, y)[1])
-    cast, _ = out(lambda x, y: x.to(torch.bfloat16) + y.to(torch.bfloat16), x, y)
-    assert "torch.float16" in disagreement([cast], out(lambda x, y: x.to(torch.float16) + y.to(torch.float16), x, y)[1])
-    view, _ = out(lambda x, y: (x + y).view(60), x, y)  # sizes stay wildcards: another shape is still a match
-    assert disagreement([view], out(lambda x, y: (x + y).view(30, 2), x.reshape(6, 10), y.reshape(6, 10))[1]) is None
-    assert "line up" in disagreement([half], out(lambda x, y: torch.relu(x) - y, x, y)[1])
+    plain = [trace(lambda x, y: torch.add(torch.relu(x), y), [x, y]).graph]
+    assert unmatched_keyword(plain, nodes(lambda x, y: torch.add(torch.relu(x), y))) is None
+    assert unmatched_keyword(plain, nodes(lambda x, y: torch.add(torch.relu(x), y, alpha=1.0))) is None  # the default
+    assert "alpha=2" in unmatched_keyword(plain, nodes(lambda x, y: torch.add(torch.relu(x), y, alpha=2)))
+    carried = [trace(lambda x, y: torch.add(torch.relu(x), y, alpha=2), [x, y]).graph]
+    assert unmatched_keyword(carried, nodes(lambda x, y: torch.add(torch.relu(x), y, alpha=3))) is None  # inductor's
 
 
 def test_entry_point_group_is_loaded(monkeypatch):

@@ -118,6 +118,21 @@ def test_min_p_first_keeps_another_set(name):
     assert (first <= hf).all()  # never more: top-p over a subset's mass
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_min_p_first_on_peaked_rows_with_and_without_min_p(dtype):
+    """Peaked logits (the kept sets lie above the chunks' thresholds: the fast path) with top-p only and a
+    per-row min_p that is 0 in some rows (vLLM passes 0 for requests without min-p: those rows are top-p
+    only, and must not be sent down the slow path by a min-p that does nothing)."""
+    B, V = 6, 1100
+    logits = make_logits(B, V, dtype, seed=17, scale=3.0)
+    q = exp_noise(B, V, seed=5)
+    filters = dict(top_p=torch.tensor([0.9, 0.8, 0.95, 0.7, 0.9, 0.5], device=DEVICE),
+                   min_p=torch.tensor([0.0, 0.1, 0.0, 0.3, 0.05, 0.0], device=DEVICE), min_p_first=True)
+    out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
+    S.sample_triton(logits, 0.8, seed=seed_tensor(), noise=q, out=out, block=128, **filters)
+    assert out.cpu().tolist() == S.sample_reference(logits, 0.8, q=q, **filters).tolist()
+
+
 def test_min_p_first_reference_is_vllms_chain():
     """kept_mask's min-p-first order against vLLM's own steps in float64: the min-p mask on the softmax,
     then top-k and top-p on the sorted logits (apply_top_k_top_p)."""

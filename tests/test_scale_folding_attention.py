@@ -117,6 +117,25 @@ def test_views_of_the_fp8_cache(form):
     assert rel_err(got.cpu().double(), want) < TOL[BF16]
 
 
+@pytest.mark.usefixtures("no_compile_caches")
+def test_a_slice_of_growing_length():
+    """A decode loop reads one more token each step: after the length changes torch makes it symbolic, and
+    the op reads a symbolic slice of the fp8 cache (re-emitting the view once crashed that compile)."""
+    q, k8, ks, v8, vs = make()
+
+    def f(q, k8, ks, v8, vs, n):
+        return sliced(0.125, q, k8, ks, v8, vs, n)
+
+    g = torch.compile(f, backend="fusekern", options={"fusekern.disable": ["decode_attention"]})
+    for n in (150, 151, 152, 97):
+        fusekern.reset_match_report()
+        got = g(q, k8, ks, v8, vs, n)
+        want = _reference(q, k8[:, :, :n], ks[:, :, :n], v8[:, :, :n], vs, 0.125)
+        assert rel_err(got.cpu().double(), want) < TOL[BF16], n
+        if n == 151:  # the recompile with a symbolic length
+            assert dict(fusekern.match_report().fired()) == {"fp8_kv_attention": 1}
+
+
 def test_a_slice_of_the_head_dim_is_not_a_cache_view():
     """The op loads the head dim as 4-byte words: a slice of it stays as written."""
     q, k8, ks, v8, vs = make(D=64)

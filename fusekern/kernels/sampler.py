@@ -2,7 +2,7 @@
 
 ``tokens[b] = argmax_i over kept i of p_i / q_i`` with ``p = softmax(x)``, ``q ~ Exp(1)`` and
 ``x = logits[b] / T[b]`` rounded to the logits' dtype (as the graph being replaced computes it). Kept, in
-the order Hugging Face and vLLM apply the filters:
+the order Hugging Face applies the filters (``min_p_first``: min-p before top-p, vLLM's order):
 - top-k: ``x_i >= v_k``, the k-th largest x (ties kept, as ``torch.where(x < pivot, -inf, x)``);
 - top-p: among those, ``mass(x > x_i) < p`` (mass of softmax over the top-k set): what "sort ascending,
   cumsum, drop where cumsum <= 1 - p" keeps, ties kept together;
@@ -324,9 +324,10 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
     in a large one: a binary search over keys.
     """
     if HAS_MIN_P and MIN_P_FIRST:  # (the same lines as min-p's below, which keep HF's order's code as it was)
-        kept &= tl.exp(x - m) >= min_p
-        exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
-        restricted = tl.full((), 1, tl.int1)
+        if min_p > 0.0:  # a row without min-p (0, as vLLM passes it) leaves top-p's fast path open
+            kept &= tl.exp(x - m) >= min_p
+            exact &= restricted | (T == MIN_KEY) | (tl.exp(_x_of_key(T, DTYPE) - m) < min_p)
+            restricted = tl.full((), 1, tl.int1)
     if HAS_TOP_P:
         if top_p < 1.0:
             e = tl.where(kept, tl.exp(x - m), 0.0)

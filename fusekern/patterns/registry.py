@@ -439,13 +439,13 @@ def _build_matcher_pass(p: Pattern):
     searches: list = []  # the traced search of each variant, traced when a first match needs them
 
     def extra_check(match) -> bool:
-        from fusekern.patterns.constants import disagreement
+        from fusekern.patterns.constants import unmatched_keyword
 
         if not searches:
             searches.extend(trace(p.search, list(p.example_inputs(v).values())).graph for v in p.variants())
-        why = disagreement(searches, match.output_nodes())
+        why = unmatched_keyword(searches, match.nodes)
         if why is not None:
-            record_rejection(p.name, str(match.output_nodes()[0]), f"{why} (constants must be the pattern's)")
+            record_rejection(p.name, str(match.output_nodes()[0]), why)
             return False
         values = {}
         for arg in argnames:

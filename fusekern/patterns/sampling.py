@@ -617,6 +617,8 @@ def _exponential_noise(q: Node) -> list[Node]:
             raise Decline("exponential noise: the clamp tests another tensor than the log")
         # exponential_'s own clamp: u >= 1 - eps/2 gives -eps/2 instead of log(u) (the draws it touches
         # have probability eps/2). Another clamp is another distribution.
+        if _val(u) is None or not _val(u).dtype.is_floating_point:
+            raise Decline("exponential noise: log of a non-float tensor")
         eps = torch.finfo(_val(u).dtype).eps
         bound, value = inner.args[0].args[1], _scalar_value(inner.args[1])
         if not (isinstance(bound, (int, float)) and 1 - eps <= bound <= 1 and value is not None and -eps <= value < 0):

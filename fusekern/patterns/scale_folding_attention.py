@@ -157,9 +157,10 @@ def _viewed(emit_or_mode, cache, views):
     for view in reversed(views):
         if isinstance(emit_or_mode, _Emitter):
             cache = emit_or_mode(view.target, cache, *view.args[1:], **view.kwargs)
-        else:
+        else:  # (a symbolic slice end is a node: its fake value, a SymInt, stands in)
+            args, kwargs = torch.fx.node.map_arg((view.args[1:], view.kwargs), lambda a: a.meta["val"])
             with emit_or_mode:
-                cache = view.target(cache, *view.args[1:], **view.kwargs)
+                cache = view.target(cache, *args, **kwargs)
     return cache
 
 
@@ -273,6 +274,7 @@ def plan_and_replace(graph: Graph, n: Node) -> str:
             raise Decline(str(e).removeprefix("fp8_kv_decode_attention: ")) from None
     emit = _Emitter(graph, out, qv.fake_mode, [k8, v8, q])
     k8, v8 = _viewed(emit, k8, k_views), _viewed(emit, v8, v_views)
+    emit.sources += [k8, v8]  # a symbolic slice's length is a size of the viewed cache only
     k_scale, k_round = _scale_vector(emit, k_factors, list(k8v.shape), {0, 1, 2}, [B, Hkv, S])
     v_scale, v_round = _scale_vector(emit, v_factors, list(v8v.shape), {0, 1}, [B, Hkv])
     fused = emit(kernel.fp8_kv_attention.default, q, k8, k_scale, v8, v_scale, scale,
