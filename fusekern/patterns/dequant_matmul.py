@@ -242,28 +242,15 @@ register_pattern(
 
 # -- any other decode: the structural matcher --------------------------------------------------------
 # Runs after the exact patterns above (registration order), so forms with a hand-written kernel keep it.
-
-def _sources_hash(*modules) -> str:
-    """A short hash of the modules' source: a structural rewrite's cache key covers the code it relies
-    on, not just the module holding the rewrite function, so a graph compiled by older code is not loaded
-    from inductor's cache."""
-    import hashlib
-    import inspect
-
-    h = hashlib.sha256()
-    for mod in modules:
-        h.update(inspect.getsource(mod).encode())
-    return h.hexdigest()[:12]
-
+# (The FX-cache key hashes every fusekern file, so the analysis and kernels these rewrites rely on are in it.)
 
 def _decode_rewrite():
-    from fusekern.kernels import decode_mm, packed_mm
-    from fusekern.patterns.decode import analysis, formats, layout, program, rewrite
+    from fusekern.kernels import decode_mm
+    from fusekern.patterns.decode import rewrite
 
-    version = f"{decode_mm.KERNEL_VERSION}+{_sources_hash(analysis, formats, layout, program, decode_mm, packed_mm)}"
     register_rewrite(
         rewrite.NAME, rewrite.rewrite_decode_matmuls, family="dequant_matmul", stage="post_grad",
-        kernel_version=version,
+        kernel_version=decode_mm.KERNEL_VERSION,
         description="mm / addmm / bmm whose weight is decoded from integer / fp8 / packed codes by "
                     "elementwise, bit, view, cat and table-lookup ops: hand-tuned kernels for known formats, "
                     "a generated fused kernel for the rest",
@@ -274,12 +261,12 @@ _decode_rewrite()
 
 
 def _group_rewrite():
-    from fusekern.kernels import decode_mm_group, packed_gemv_group
+    from fusekern.kernels import decode_mm
     from fusekern.patterns.decode import group
 
     register_rewrite(
         group.NAME, group.group_decode_matmuls, family="dequant_matmul", stage="post_grad",
-        kernel_version=_sources_hash(group, decode_mm_group, packed_gemv_group),
+        kernel_version=decode_mm.KERNEL_VERSION,
         description="two or three fused decode -> matmuls on the same activation (q / k / v, gate / up), "
                     "same K and packed layout: one call, whose GEMVs run as one launch where measured faster",
     )

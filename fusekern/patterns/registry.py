@@ -98,9 +98,12 @@ class Pattern:
     def fingerprint(self) -> str:
         """Changes when the pattern's code, specs or kernels change: feeds the FX-cache uuid."""
         h = hashlib.sha256()
-        for fn in (self.search, self.replacement, self.check):
+        fns = (self.search, self.replacement, self.check)
+        for fn in fns:
             h.update(_source_of(fn).encode())
-            h.update(_file_of(fn))  # the helpers they call: a user's check may delegate its logic
+        for path in sorted({_file_of(fn) for fn in fns} - {None}):  # the helpers they call, each file once
+            with open(path, "rb") as f:
+                h.update(f.read())
         h.update(repr((self.name, sorted(self.inputs.items()), sorted(self.dtypes.items(), key=str),
                        sorted(self.dims.items()), self.stage, self.kernel_version)).encode())
         return h.hexdigest()[:16]
@@ -185,16 +188,13 @@ def register_rewrite(name: str, rewrite: Callable[[torch.fx.Graph], int], *, fam
     return r
 
 
-def _file_of(fn) -> bytes:
-    """The bytes of the file defining ``fn`` (b"" when there is none: a REPL, a notebook cell)."""
+def _file_of(fn) -> str | None:
+    """The file defining ``fn`` (None when there is none: a REPL, a notebook cell, no function)."""
     try:
         path = inspect.getsourcefile(fn)
     except TypeError:
-        return b""
-    if not path or not os.path.isfile(path):
-        return b""
-    with open(path, "rb") as f:
-        return f.read()
+        return None
+    return path if path and os.path.isfile(path) else None
 
 
 def _source_of(fn) -> str:

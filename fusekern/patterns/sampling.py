@@ -157,6 +157,11 @@ def _same_int(a, b) -> bool:
     return isinstance(a, int) and a == b
 
 
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b have the same sizes, symbolic ones proved equal without a guard."""
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
 def _one_per_row_or_one(t, like) -> bool:
     """t (a node) holds one value, or one per row of ``like`` ([B, V]) as [B, 1]: it broadcasts row by row."""
     tv, lv = _val(t), _val(like)
@@ -480,8 +485,7 @@ def _masked(z: Node):
         y, indices, fill = z.args[:3]
         if len(indices) == 1 and isinstance(indices[0], Node):
             cv, yv = _val(indices[0]), _val(y)
-            if isinstance(cv, torch.Tensor) and cv.dtype == torch.bool and cv.dim() == yv.dim() \
-                    and all(statically_known_true(a == b) for a, b in zip(cv.shape, yv.shape)):
+            if isinstance(cv, torch.Tensor) and cv.dtype == torch.bool and _same_shape(cv, yv):
                 return indices[0], fill, y
     return None
 
@@ -688,7 +692,7 @@ def match_sampler(output: Node) -> SamplerMatch:
     if lv is None or lv.dtype not in LOGIT_DTYPES:
         raise Decline(f"logits dtype {getattr(lv, 'dtype', None)} is not bf16/fp16/fp32")
     xv = _val(x)
-    if lv.dim() != xv.dim() or not all(statically_known_true(a == b) for a, b in zip(lv.shape, xv.shape)):
+    if not _same_shape(lv, xv):
         # one row of logits at B temperatures: the op draws one token per row of its logits
         raise Decline(f"the temperature broadcasts the logits {tuple(lv.shape)} to {tuple(xv.shape)}")
     if _val(x).dtype != lv.dtype:

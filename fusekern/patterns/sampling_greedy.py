@@ -22,13 +22,12 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx import Graph, Node
 
 from fusekern.kernels import device_info
 from fusekern.kernels import masked_argmax as kernel
 from fusekern.patterns.registry import register_rewrite
-from fusekern.patterns.sampling import Decline, _fake, _is, _val  # the sampling family's node helpers
+from fusekern.patterns.sampling import Decline, _fake, _is, _same_shape, _val  # the sampling family's node helpers
 
 aten = torch.ops.aten
 NAME = "greedy_mask"
@@ -114,7 +113,7 @@ def match(argmax: Node, graph: Graph) -> dict:
         raise Decline(f"logits are not 2-D bf16 / fp16 / fp32 ({getattr(lv, 'dtype', None)})")
     if yv.dtype != lv.dtype:
         raise Decline(f"the temperature promotes the logits from {lv.dtype} to {yv.dtype}")
-    if not all(statically_known_true(a == b) for a, b in zip(lv.shape, yv.shape)):
+    if not _same_shape(lv, yv):
         # e.g. one row of logits at B temperatures, or under B masks: the op takes one token per logits row
         raise Decline(f"the temperature or mask broadcasts the logits {tuple(lv.shape)} to {tuple(yv.shape)}")
     if lv.device.type not in ("cpu", "cuda"):

@@ -74,17 +74,18 @@ def _val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _fixed_sizes(v: torch.Tensor) -> tuple[int, ...] | None:
+    """v's sizes as ints, None if one is symbolic. (``int()`` of a SymInt would specialize it: a guard on the
+    user's dynamic dim, and a compile error where it was marked dynamic.)"""
+    sizes = tuple(s.node.maybe_as_int() if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
+    return None if None in sizes else sizes
+
+
 def _static_shape(v: torch.Tensor, what: str) -> tuple[int, ...]:
-    """v's sizes as ints; Unsupported for a symbolic one. (``int()`` of a SymInt would specialize it: a guard
-    on the user's dynamic dim, and a compile error where it was marked dynamic.)"""
-    out = []
-    for s in v.shape:
-        if isinstance(s, torch.SymInt):
-            s = s.node.maybe_as_int()
-            if s is None:
-                raise Unsupported(f"{what} has a symbolic shape {tuple(v.shape)}")
-        out.append(int(s))
-    return tuple(out)
+    sizes = _fixed_sizes(v)
+    if sizes is None:
+        raise Unsupported(f"{what} has a symbolic shape {tuple(v.shape)}")
+    return sizes
 
 
 # ----------------------------------------------------------------------------- the cone
@@ -129,7 +130,7 @@ def find_cone(mm: Node) -> Cone:
     if not isinstance(root, Node):
         raise Unsupported("the weight operand is not a graph value")
     rv = _val(root)
-    if rv is not None and any(isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None for s in rv.shape):
+    if rv is not None and _fixed_sizes(rv) is None:
         # said first: the cone's size arithmetic (e.g. K / 8 * 8) would otherwise be the reason given
         raise Unsupported(f"the weight has a symbolic shape {tuple(rv.shape)} (torch marks a weight passed as an "
                           "argument dynamic once its shape changes between calls; parameters and buffers stay static)")
