@@ -347,12 +347,65 @@ def test_declines_reductions_inside_the_cone():
               "in the weight's computation")
 
 
-def test_declines_large_lookup_tables():
+def test_large_lookup_tables_are_gathers():
+    """A table past MAX_TABLE entries is not a format's lookup table (it does not travel in the program), but
+    its gather is followed like GPTQ act-order's scales: fused by the generated kernel, eager's result."""
     def fn(x, codes, table):
         return F.linear(x, table[codes.long()].to(x.dtype))
 
-    _declined(fn, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 300, (16, 32), dtype=torch.int16),
-                   torch.randn(300)), "at most 256")
+    args = (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-300, 300, (16, 32), dtype=torch.int16),
+            torch.randn(300))
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+    text, _, _ = decode_program(fn, *args)
+    prog = DecodeProgram.from_text(text)
+    assert all(leaf.values is None for leaf in prog.leaves) and recognize(prog).name == "generic"
+
+
+def test_declines_arithmetic_on_a_gathered_index():
+    def flat(x, codes, table):  # row-major flattening: the gathered k lands at table[g // 16, g % 16]
+        return F.linear(x, table.reshape(-1)[codes.long()].to(x.dtype))
+
+    _declined(flat, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 256, (16, 32), dtype=torch.int16),
+                     torch.randn(16, 16)), "arithmetic on a gathered index")
+
+    def two(x, w, s, gi, gj):  # two index tensors
+        return F.linear(x, (w.to(x.dtype) * s[gi.long()[:, None], gj.long()[None, :]]))
+
+    _declined(two, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-9, 9, (16, 32), dtype=torch.int8),
+                    torch.rand(4, 4, dtype=torch.bfloat16), torch.randint(0, 4, (16,), dtype=torch.int32),
+                    torch.randint(0, 4, (32,), dtype=torch.int32)), "2 index tensors")
+
+
+@pytest.mark.parametrize("order", ["act_order", "negative", "columns"])
+def test_gathered_rows_of_scales_and_zeros(order):
+    """``scales[g_idx]`` read at every k: act-order permutations, torch's negative indices (wrapped), and a
+    gather along the second dim (``s[:, g]``); compiled against eager with the program checked exactly."""
+    torch.manual_seed(3)
+    K, N, G = 256, 40, 32
+    if order == "columns":
+        def fn(x, w, s, gi):
+            return F.linear(x, w.to(x.dtype) * s[:, gi.long()])
+        gi = (torch.randperm(K) // G).to(torch.int64)
+        args = (torch.randn(5, K, dtype=torch.bfloat16), torch.randint(-128, 128, (N, K), dtype=torch.int8),
+                torch.rand(N, K // G, dtype=torch.bfloat16) + 0.5, gi)
+    else:
+        def fn(x, w, s, z, gi):
+            q = w.to(torch.int16) - z[gi.long()].to(torch.int16)
+            return x @ (q.to(x.dtype) * s[gi.long()])
+        gi = (torch.randperm(K) // G).to(torch.int32)
+        if order == "negative":
+            gi = gi - K // G  # the same rows, counted from the end
+        args = (torch.randn(5, K, dtype=torch.bfloat16), torch.randint(0, 16, (K, N), dtype=torch.uint8),
+                torch.rand(K // G, N, dtype=torch.bfloat16) + 0.5, torch.randint(0, 16, (K // G, N), dtype=torch.uint8),
+                gi)
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+    gm, inputs = post_grad_graph(fn, *args)
+    mm = next(n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default))
+    env = node_values(gm, inputs)
+    cone = find_cone(mm)
+    prog = analyse(cone)
+    assert torch.equal(prog.evaluate([env[leaf] for leaf in cone.leaves]), env[mm.args[1]])
+    assert recognize(prog).name == "generic"
 
 
 def test_plain_weights_are_not_candidates():

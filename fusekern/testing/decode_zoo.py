@@ -126,6 +126,25 @@ def gptq(x, qweight, qzeros, scales):
     return x @ w
 
 
+def gptq_g_idx(x, qweight, qzeros, scales, g_idx):
+    """GPTQ as GPTQModel's / AutoGPTQ's torch path writes it: every k's group read from ``g_idx`` [K] (int32),
+    ``scales[g_idx] * (w - zeros[g_idx])``. With act-order (desc_act) checkpoints g_idx is a permutation of the
+    groups; without, it is k // G, and the code is the same."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    zeros = torch.bitwise_right_shift(torch.unsqueeze(qzeros, 2).expand(-1, -1, 8), shifts.unsqueeze(0))
+    zeros = torch.bitwise_and(zeros.to(torch.int16), 15).reshape(scales.shape)
+    w = torch.bitwise_right_shift(torch.unsqueeze(qweight, 1).expand(-1, 8, -1), shifts.unsqueeze(-1))
+    w = torch.bitwise_and(w.to(torch.int16), 15).reshape(K, N)
+    weights = scales[g_idx.long()] * (w - zeros[g_idx.long()])
+    return torch.matmul(x, weights.to(x.dtype))
+
+
+def _act_order(K, G, device):
+    """GPTQ act-order's g_idx: the group of every k, in a random order of k (each group G of them)."""
+    return (torch.randperm(K) // G).to(torch.int32).to(device)
+
+
 def awq(x, qweight, qzeros, scales):
     """AWQ: qweight int32 [K, N/8] (8 along N, interleaved), qzeros [K/G, N/8], scales [K/G, N]."""
     K = qweight.shape[0]
@@ -230,6 +249,14 @@ CASES = [
     Case("gptq", gptq,
          lambda K, N, G, device: (_i32(K // 8, N, device=device), _i32(K // G, N // 8, device=device),
                                   _scale(K // G, N, device=device)), "gptq"),
+    Case("gptq_act_order", gptq_g_idx,
+         lambda K, N, G, device: (_i32(K // 8, N, device=device), _i32(K // G, N // 8, device=device),
+                                  _scale(K // G, N, device=device), _act_order(K, G, device)),
+         "generic"),
+    Case("gptq_g_idx_sorted", gptq_g_idx,
+         lambda K, N, G, device: (_i32(K // 8, N, device=device), _i32(K // G, N // 8, device=device),
+                                  _scale(K // G, N, device=device),
+                                  (torch.arange(K, device=device) // G).to(torch.int32)), "generic"),
     Case("awq", awq,
          lambda K, N, G, device: (_i32(K, N // 8, device=device), _i32(K // G, N // 8, device=device),
                                   _scale(K // G, N, device=device)), "awq"),

@@ -21,13 +21,13 @@ import torch
 from torch.fx import Node
 
 from fusekern.patterns.decode.program import (
-    B, FLOAT_DTYPES, INT_DTYPES, K, N, DecodeProgram, Instr, Leaf, Ref,
+    B, FLOAT_DTYPES, INT_DTYPES, K, MAX_TABLE, N, DecodeProgram, Instr, Leaf, Ref, is_int,
 )
+from torch.utils._sympy.functions import FloorDiv
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-MAX_TABLE = 256
 INT32_MAX = 2**31 - 1
 # dtypes of packed codes: a cone must read at least one leaf of these (else there is nothing to fuse).
 CODE_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -147,8 +147,9 @@ def find_cone(mm: Node) -> Cone:
         if n.op != "call_function" or n.target not in SUPPORTED:
             raise Unsupported(f"{getattr(n.target, '__name__', n.target)} ({n.name}) in the weight's computation")
         if n.target == aten.index.Tensor:
-            table = _table_leaf(n)
-            tables.add(table)
+            table = _lookup_table(n)
+            if table is not None:
+                tables.add(table)
         nodes.append(n)
         stack.extend(n.all_input_nodes)
     if not nodes:
@@ -171,18 +172,34 @@ def find_cone(mm: Node) -> Cone:
     return Cone(mm, root, nodes, leaves, tables)
 
 
-def _table_leaf(n: Node) -> Node:
+def _gather_index(n: Node) -> tuple[int, Node]:
+    """(dim, index tensor) of ``table[..., idx, ...]``: one integer index tensor, the other dims whole.
+
+    A GPTQ act-order decode reads ``scales[g_idx]`` and ``zeros[g_idx]`` (the group of each k from a table
+    of K entries). Boolean and uint8 indices are masks in torch (a data-dependent shape): not gathers."""
+    indices = n.args[1]
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        raise Unsupported(f"{n.name}: indexing with {len(given)} index tensors (one gather index is supported)")
+    dim, index = given[0]
+    iv = _val(index)
+    if iv is None or iv.dtype not in (torch.int32, torch.int64):
+        raise Unsupported(f"{n.name}: an index of dtype {None if iv is None else iv.dtype} (int32 / int64 gathers)")
+    return dim, index
+
+
+def _lookup_table(n: Node) -> Node | None:
+    """The leaf of a small-table lookup ``table[codes]`` (a 1-D constant or input of at most MAX_TABLE entries,
+    e.g. the E2M1 values), None for any other gather (``scales[g_idx]``, a computed table)."""
     table, indices = n.args[0], n.args[1]
     while isinstance(table, Node) and table.op == "call_function" and table.target in IDENTITY:
         table = table.args[0]
-    if len(indices) != 1 or indices[0] is None:
-        raise Unsupported(f"{n.name}: only one-index lookups table[codes] are supported")
-    tv = _val(table)
-    if not (isinstance(table, Node) and table.op in ("placeholder", "get_attr")) or tv is None:
-        raise Unsupported(f"{n.name}: the lookup table is computed, not an input or constant")
-    if tv.dim() != 1 or tv.numel() > MAX_TABLE:
-        raise Unsupported(f"{n.name}: lookup table of shape {tuple(tv.shape)} (at most {MAX_TABLE} entries, 1-D)")
-    return table
+    if len(indices) == 1 and indices[0] is not None and isinstance(table, Node) \
+            and table.op in ("placeholder", "get_attr") and _val(table) is not None \
+            and _val(table).dim() == 1 and _val(table).numel() <= MAX_TABLE:
+        return table
+    _gather_index(n)  # anything else must be a gather the analysis can follow
+    return None
 
 
 # ----------------------------------------------------------------------------- the analysis
@@ -204,13 +221,18 @@ def _reshape_indexer(old: tuple[int, ...], new: tuple[int, ...]):
 
 
 class _Builder:
-    def __init__(self, cone: Cone, ranges: dict):
+    def __init__(self, cone: Cone, ranges: dict, sorted_gathers: bool = False):
         self.cone = cone
         self.ranges = ranges
+        # sorted_gathers: read ``table[g_idx]`` as ``table[k // G]`` where g_idx is a [K] leaf read at k and the
+        # table has K / G rows (GPTQ without act-order); ``sorted_leaves`` then maps each such leaf to its G.
+        self.sorted_gathers = sorted_gathers
+        self.sorted_leaves: dict[int, int] = {}
         self.instrs: list[Instr] = []
         self.index_of: dict[Instr, int] = {}
         self.leaf_id = {n: i for i, n in enumerate(cone.leaves)}
         self.memo: dict = {}
+        self.gathered: dict[sympy.Symbol, Ref] = {}  # index symbols standing for gathered values (``g_idx[k]``)
 
     # -- instructions ---------------------------------------------------------------------------------
     def emit(self, op: str, args: tuple, dtype: torch.dtype) -> Ref:
@@ -236,6 +258,55 @@ class _Builder:
             pass
         return int(e) if e.is_Integer else e
 
+    def resolve(self, e, node: Node):
+        """An index argument: a sympy expression in b / k / n, or the Ref of a gathered value where the index
+        is exactly that value (``scales[g_idx]``: row ``g_idx[k]``). Index arithmetic on gathered values
+        (``table.reshape(-1)[g * 8 + j]``) is not in the program's language."""
+        e = self.simplify(e)
+        if not isinstance(e, sympy.Basic) or not (e.free_symbols & set(self.gathered)):
+            return e
+        if e in self.gathered:
+            return self.gathered[e]
+        raise Unsupported(f"{node.name} is read at {e}: arithmetic on a gathered index")
+
+    def _gather(self, node: Node, idx: tuple) -> Ref:
+        """``table[..., index, ...]``: the index tensor's value at this element becomes an index symbol of the
+        table, in its range (negative indices wrap, as in torch; out-of-range ones are clamped where eager
+        raises), and the table is followed at that index like any other value."""
+        dim, index = _gather_index(node)
+        table = node.args[0]
+        tshape = _static_shape(_val(table), table.name)
+        ishape = _static_shape(_val(index), index.name)
+        size = tshape[dim]
+        r = self.value(index, idx[dim:dim + len(ishape)])
+        if self.sorted_gathers:
+            leaf = self._leaf_read_at_k(r)
+            if leaf is not None and self.ranges[K] % size == 0:
+                group = self.ranges[K] // size
+                if self.sorted_leaves.setdefault(leaf, group) != group:
+                    raise Unsupported(f"{node.name}: one index leaf read as groups of two sizes")
+                return self.value(table, idx[:dim] + (FloorDiv(K, group),) + idx[dim + len(ishape):])
+        d = self.dtype(r)
+        zero, last = self.emit("const", (0,), d), self.emit("const", (size - 1,), d)
+        wrapped = self.emit("where", (self.emit("lt", (r, zero), torch.bool),
+                                      self.emit("add", (r, self.emit("const", (size,), d)), d), r), d)
+        r = self.emit("max", (self.emit("min", (wrapped, last), d), zero), d)
+        sym = sympy.Symbol(f"g{r.i}", integer=True, nonnegative=True)
+        self.gathered[sym] = r
+        self.ranges[sym] = size
+        return self.value(table, idx[:dim] + (sym,) + idx[dim + len(ishape):])
+
+    def _leaf_read_at_k(self, r: Ref) -> int | None:
+        """The leaf whose element k ``r`` is (through casts), if a 1-D integer leaf of K entries."""
+        ins = self.instrs[r.i]
+        while ins.op == "cast" and is_int(ins.dtype):
+            ins = self.instrs[ins.args[0].i]
+        if ins.op != "load" or tuple(ins.args[1:]) != (K,):
+            return None
+        leaf = self.cone.leaves[ins.args[0]]
+        v = _val(leaf)
+        return ins.args[0] if v is not None and v.dim() == 1 and v.shape[0] == self.ranges[K] else None
+
     # -- values ---------------------------------------------------------------------------------------
     def value(self, node, idx: tuple, dtype: torch.dtype | None = None) -> Ref:
         """Instruction computing ``node[idx]`` (a Python number: a constant of ``dtype``)."""
@@ -256,7 +327,7 @@ class _Builder:
         if len(idx) != len(shape):
             raise AssertionError(f"{node.name}: index {idx} for shape {shape}")
         if node in self.leaf_id:
-            return self.emit("load", (self.leaf_id[node], *(self.simplify(i) for i in idx)), v.dtype)
+            return self.emit("load", (self.leaf_id[node], *(self.resolve(i, node) for i in idx)), v.dtype)
         t = node.target
         a = node.args
         if t in IDENTITY:
@@ -277,16 +348,19 @@ class _Builder:
             return self.emit("bitcast", (src,), v.dtype)
         if t == prims.iota.default:
             start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
-            return self.emit("index", (self.simplify(start + step * idx[0]),), v.dtype)
+            i = self.resolve(start + step * idx[0], node)
+            return self.cast(i, v.dtype) if isinstance(i, Ref) else self.emit("index", (i,), v.dtype)
         if t in (aten.full.default, aten.scalar_tensor.default):
             fill = a[1] if t == aten.full.default else a[0]
             return self.emit("const", (fill,), v.dtype)
         if t == aten.cat.default:
             return self._cat(node, shape, idx)
         if t == aten.index.Tensor:
-            table = _table_leaf(node)
-            code = self.value(node.args[1][0], idx)
-            return self.emit("load", (self.leaf_id[table], code), v.dtype)
+            table = _lookup_table(node)
+            if table is not None:
+                code = self.value(node.args[1][0], idx)
+                return self.emit("load", (self.leaf_id[table], code), v.dtype)
+            return self._gather(node, idx)
         if t == aten.where.self:
             cond = self._operand(a[0], shape, idx, None)
             x = self._operand(a[1], shape, idx, v.dtype)
@@ -406,6 +480,8 @@ class _Builder:
                 result = r
                 continue
             cond = sympy.Lt(self.simplify(i), start + _static_shape(_val(p), p.name)[dim])
+            if not isinstance(cond, sympy.logic.boolalg.BooleanAtom) and cond.free_symbols & set(self.gathered):
+                raise Unsupported(f"{node.name}: cat along a dimension indexed by gathered data")
             if cond is sympy.true or cond is sympy.false:
                 result = r if cond is sympy.true else result
             else:
@@ -415,6 +491,18 @@ class _Builder:
 
 def analyse(cone: Cone) -> DecodeProgram:
     """The cone as a decode program for ``W[(b,) k, n]`` (the matmul's weight operand)."""
+    return _analyse(cone)[0]
+
+
+def analyse_sorted(cone: Cone) -> tuple[DecodeProgram, dict[int, int]] | None:
+    """The program the cone computes if every gather by a [K] index leaf read at k is ``k // G`` (GPTQ's g_idx
+    without act-order), and {leaf: G} for those leaves; None when there is no such gather. Only valid for
+    leaves whose values are checked to be ``arange(K) // G``."""
+    prog, assumed = _analyse(cone, sorted_gathers=True)
+    return (prog, assumed) if assumed else None
+
+
+def _analyse(cone: Cone, sorted_gathers: bool = False) -> tuple[DecodeProgram, dict[int, int]]:
     rv = _val(cone.root)
     shape = _static_shape(rv, cone.root.name)
     if len(shape) not in (2, 3):
@@ -440,11 +528,15 @@ def analyse(cone: Cone) -> DecodeProgram:
     batch = shape[0] if len(shape) == 3 else 0
     Kdim, Ndim = shape[-2], shape[-1]
     ranges = {K: Kdim, N: Ndim, **({B: batch} if batch else {})}
-    b = _Builder(cone, ranges)
+    b = _Builder(cone, ranges, sorted_gathers)
     idx = (B, K, N) if batch else (K, N)
     out = b.value(cone.root, idx)
+    for ins in b.instrs:  # gathered index symbols must all have become Refs (resolve / _cat see to it)
+        for a in ins.args:
+            if isinstance(a, sympy.Basic) and not a.free_symbols <= {B, K, N}:
+                raise Unsupported(f"a {ins.op} at {a}: arithmetic on a gathered index")
     prog = DecodeProgram(leaves, b.instrs, out.i, Kdim, Ndim, batch)
-    return _prune(prog)
+    return _prune(prog), b.sorted_leaves
 
 
 def _prune(prog: DecodeProgram) -> DecodeProgram:

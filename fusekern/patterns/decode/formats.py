@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusekern.patterns.decode.program import FP8_DTYPES, DecodeProgram, Ref, is_int
+from fusekern.patterns.decode.program import FP8_DTYPES, MAX_TABLE, DecodeProgram, Ref, is_int
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -90,6 +90,13 @@ class _Recognizer:
         self.values = leaf_values
         self.ins = prog.instrs
         self.tables = {a.args[0] for a in self.ins if a.op == "load" and any(isinstance(x, Ref) for x in a.args[1:])}
+        # Only small 1-D tables indexed by codes (E2M1 values, AWQ shifts) are part of a known format. Rows
+        # gathered by data (GPTQ act-order's ``scales[g_idx]``) are not: the hand-tuned kernels read a group's
+        # scale at k // G, so such programs stay generic whatever the index's values look like in a probe.
+        for i in self.tables:
+            leaf = prog.leaves[i]
+            if len(leaf.shape) != 1 or leaf.numel > MAX_TABLE:
+                raise _NotRecognized
 
     # -- program helpers -----------------------------------------------------------------------------
     def strip(self, i: int) -> int:

@@ -41,6 +41,10 @@ BINARY = ("add", "sub", "mul", "div", "and", "or", "xor", "shl", "shr", "eq", "n
 CMP = ("eq", "ne", "lt", "le", "gt", "ge")
 OPS = ("load", "index", "const", "where", "select", *UNARY, *BINARY)
 
+# Entries of a lookup table indexed by codes (E2M1 values, shift tables): such tables may travel inside the
+# program and count as part of a format; larger gathered tensors (GPTQ act-order's scales) do neither.
+MAX_TABLE = 256
+
 INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FP8_DTYPES)

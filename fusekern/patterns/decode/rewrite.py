@@ -12,13 +12,13 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_mm as kernel
-from fusekern.kernels import device_info
+from fusekern.kernels import device_info, sorted_gather
 from fusekern.patterns.decode.analysis import (
-    CODE_DTYPES, Cone, Unsupported, analyse, ancestors, find_cone, weight_operand,
+    CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, weight_operand,
 )
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.layout import derive_layout
-from fusekern.patterns.decode.program import FP8_DTYPES, DecodeProgram
+from fusekern.patterns.decode.program import FP8_DTYPES, MAX_TABLE, DecodeProgram
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -107,17 +107,30 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     constants = _constants(graph, cone)
     fmt = recognize(prog, constants)
     layout = derive_layout(prog, fmt, constants)
+    sorted_variant = _sorted_gathers(cone, constants) if layout is None and prog.lookups() else None
     # Small tables the user's code builds every call (``torch.tensor(...)``: a constant the graph copies with
     # lift_fresh_copy) and constant lookup tables travel inside the program, and the op keeps one tensor of
     # each: passed as graph values they would arrive as a fresh copy every call (below), a launch and a miss in
     # the op's caches. Other small constants (parameters under inductor's freezing: per-tensor scales) stay
     # arguments, so every layer keeps one program text, one compile and one tuning. (Freezing folds the
     # user's lift_fresh_copy away: its lookup tables are still recognised as such.)
-    lookups = prog.lookups()
+    lookups = {i for i in prog.lookups() if prog.leaves[i].numel <= MAX_TABLE}  # not gathered scales
     embedded = {i: t for i, t in constants.items() if t.is_contiguous() and tuple(t.stride()) == prog.leaves[i].stride
                 and (i in lookups or any(u.target == aten.lift_fresh_copy.default and not u.meta.get("fusekern_lifted")
                                          for u in cone.leaves[i].users))}
     prog = prog.with_constants(embedded)
+    layout_text = layout.to_text() if layout else ""
+    note = f"{fmt.describe()}; {'hand-tuned packed kernels' if layout else 'generated kernel'}"
+    if sorted_variant is not None:
+        sorted_prog, sorted_fmt, sorted_layout, checks = sorted_variant
+        sorted_prog = sorted_prog.with_constants(embedded)
+        if checks:
+            layout_text = sorted_gather.guarded_layout(sorted_prog.to_text(), sorted_layout.to_text(), checks)
+            note = (f"{sorted_fmt.describe()} where g_idx is arange(K) // G (checked on the first call with each "
+                    f"set of weights: hand-tuned packed kernels), else {fmt.describe()} (generated kernel)")
+        else:  # the index is a constant of the graph, and sorted
+            prog, fmt, layout_text = sorted_prog, sorted_fmt, sorted_layout.to_text()
+            note = f"{fmt.describe()}; hand-tuned packed kernels"
     mode = _val(act).fake_mode
     leaves = []
     with graph.inserting_before(mm):
@@ -132,7 +145,7 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
                 lifted.meta["val"] = mode.from_tensor(_val(leaf)) if not _is_fake(_val(leaf)) else _val(leaf)
                 leaf = lifted
             leaves.append(leaf)
-        args = (act, leaves, prog.to_text(), bias, layout.to_text() if layout else "")
+        args = (act, leaves, prog.to_text(), bias, layout_text)
         out = graph.call_function(kernel.decode_mm.default, args)
     vals = [_val(act), [_val(l) for l in leaves], args[2], _val(bias) if bias is not None else None, args[4]]
     with mode:
@@ -142,8 +155,33 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
         if key in mm.meta:
             out.meta[key] = mm.meta[key]
     mm.replace_all_uses_with(out)
-    kernels = "hand-tuned packed kernels" if layout else "generated kernel"
-    return f"{fmt.describe()}; {kernels}"
+    return note
+
+
+def _sorted_gathers(cone: Cone, constants: dict):
+    """(program, format, layout, checks) of the decode read with every gather by a [K] index leaf as k // G,
+    where that program has a packed layout (GPTQ's ``scales[g_idx]`` without act-order); checks: {leaf: G}
+    for the index leaves the op must check (those that are constants of the graph are checked here). None
+    where there is no such reading, or it has no layout, or a constant index is not sorted."""
+    try:
+        found = analyse_sorted(cone)
+    except Unsupported:
+        return None
+    if found is None:
+        return None
+    prog, checks = found
+    fmt = recognize(prog, constants)
+    layout = derive_layout(prog, fmt, constants)
+    if layout is None:
+        return None
+    try:
+        kernel.decode_source(prog)
+    except NotImplementedError:
+        return None
+    for i in [i for i in checks if i in constants]:
+        if not sorted_gather.is_sorted(constants[i], checks.pop(i)):
+            return None
+    return prog, fmt, layout, checks
 
 
 def rewrite_decode_matmuls(graph: Graph) -> int:
