@@ -361,12 +361,17 @@ def test_large_lookup_tables_are_gathers():
     assert all(leaf.values is None for leaf in prog.leaves) and recognize(prog).name == "generic"
 
 
-def test_declines_arithmetic_on_a_gathered_index():
-    def flat(x, codes, table):  # row-major flattening: the gathered k lands at table[g // 16, g % 16]
+def test_index_arithmetic_on_gathered_values():
+    """A gathered index read through a view: row-major flattening lands element g at table[g // w, g % w],
+    computed by shifts and masks for a power-of-two w (exact, against eager); any other divisor declines."""
+    def flat(x, codes, table):
         return F.linear(x, table.reshape(-1)[codes.long()].to(x.dtype))
 
-    _declined(flat, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 256, (16, 32), dtype=torch.int16),
-                     torch.randn(16, 16)), "arithmetic on a gathered index")
+    args = (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-256, 256, (16, 32), dtype=torch.int16),
+            torch.randn(16, 16))
+    assert_compiled(flat, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+    _declined(flat, (torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 144, (16, 32), dtype=torch.int16),
+                     torch.randn(12, 12)), "division of a gathered index by 12")
 
     def two(x, w, s, gi, gj):  # two index tensors
         return F.linear(x, (w.to(x.dtype) * s[gi.long()[:, None], gj.long()[None, :]]))

@@ -156,6 +156,25 @@ def awq(x, qweight, qzeros, scales):
     return torch.matmul(x, w)
 
 
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ's reorder: column j of 8 is field AWQ_REVERSE_ORDER[j]
+
+
+def awq_reorder(x, qweight, qzeros, scales):
+    """AWQ as AutoAWQ's torch fallback (``dequantize_gemm``) writes it: unpack the eight fields of each word in
+    bit order, then put the columns back in order by indexing with a reorder tensor built from arange."""
+    K, G = qweight.shape[0], scales.shape[0]
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    w = torch.bitwise_right_shift(qweight[:, :, None], shifts[None, None, :]).to(torch.int8)
+    w = w.view(w.shape[0], -1)
+    z = torch.bitwise_right_shift(qzeros[:, :, None], shifts[None, None, :]).to(torch.int8)
+    z = z.view(z.shape[0], -1)
+    order = torch.arange(w.shape[-1], dtype=torch.int32, device=qweight.device).view(-1, 8)
+    order = order[:, AWQ_REVERSE_ORDER].view(-1)
+    w, z = w[:, order] & 15, z[:, order] & 15
+    w = (w - z.repeat_interleave(K // G, dim=0)) * scales.repeat_interleave(K // G, dim=0)
+    return torch.matmul(x, w.to(x.dtype))
+
+
 def hqq(x, wq, scale, zero):
     """HQQ-style: uint8 codes [N, K] (4-bit values), float zero and scale per group: (w_q - z) * s."""
     N, K = wq.shape
@@ -260,6 +279,9 @@ CASES = [
     Case("awq", awq,
          lambda K, N, G, device: (_i32(K, N // 8, device=device), _i32(K // G, N // 8, device=device),
                                   _scale(K // G, N, device=device)), "awq"),
+    Case("awq_reorder", awq_reorder,
+         lambda K, N, G, device: (_i32(K, N // 8, device=device), _i32(K // G, N // 8, device=device),
+                                  _scale(K // G, N, device=device)), "generic"),
     Case("hqq", hqq,
          lambda K, N, G, device: (torch.randint(0, 16, (N, K), dtype=torch.uint8, device=device),
                                   _scale(N, K // G, device=device),

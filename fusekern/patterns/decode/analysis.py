@@ -23,7 +23,7 @@ from torch.fx import Node
 from fusekern.patterns.decode.program import (
     B, FLOAT_DTYPES, INT_DTYPES, K, MAX_TABLE, N, DecodeProgram, Instr, Leaf, Ref, is_int,
 )
-from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -259,14 +259,48 @@ class _Builder:
         return int(e) if e.is_Integer else e
 
     def resolve(self, e, node: Node):
-        """An index argument: a sympy expression in b / k / n, or the Ref of a gathered value where the index
-        is exactly that value (``scales[g_idx]``: row ``g_idx[k]``). Index arithmetic on gathered values
-        (``table.reshape(-1)[g * 8 + j]``) is not in the program's language."""
+        """An index argument: a sympy expression in b / k / n, or a Ref where it involves gathered values
+        (``scales[g_idx]``: row ``g_idx[k]``; AutoAWQ's column reorder ``w[:, order]`` of a packed weight: word
+        ``order[n] // 8``, field ``order[n] % 8``), computed by instructions."""
         e = self.simplify(e)
         if not isinstance(e, sympy.Basic) or not (e.free_symbols & set(self.gathered)):
             return e
+        return self._lower(e, node)
+
+    def _lower(self, e, node: Node) -> Ref:
+        """Instructions computing the integer index expression ``e`` (int32: every index is below a leaf's
+        element count, which analyse keeps under 2**31). Division and modulo by powers of two only, as shifts
+        and masks (floor semantics, as sympy's FloorDiv / ModularIndexing)."""
+        i32 = torch.int32
+
+        def pow2(c) -> int:
+            if not (isinstance(c, sympy.Integer) and c > 0 and (int(c) & (int(c) - 1)) == 0):
+                raise Unsupported(f"{node.name} is read at {e}: division of a gathered index by {c}")
+            return int(c).bit_length() - 1
+
         if e in self.gathered:
-            return self.gathered[e]
+            return self.cast(self.gathered[e], i32)
+        if isinstance(e, sympy.Integer):
+            return self.emit("const", (int(e),), i32)
+        if not (e.free_symbols & set(self.gathered)):
+            return self.emit("index", (e,), i32)
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            op = "add" if isinstance(e, sympy.Add) else "mul"
+            args = [self._lower(a, node) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = self.emit(op, (out, a), i32)
+            return out
+        if isinstance(e, FloorDiv):
+            base, div = e.args
+            return self.emit("shr", (self._lower(base, node), self.emit("const", (pow2(div),), i32)), i32)
+        if isinstance(e, ModularIndexing):
+            base, div, mod = e.args
+            shifted = self.emit("shr", (self._lower(base, node), self.emit("const", (pow2(div),), i32)), i32)
+            return self.emit("and", (shifted, self.emit("const", ((1 << pow2(mod)) - 1,), i32)), i32)
+        if isinstance(e, sympy.Mod):
+            base, mod = e.args
+            return self.emit("and", (self._lower(base, node), self.emit("const", ((1 << pow2(mod)) - 1,), i32)), i32)
         raise Unsupported(f"{node.name} is read at {e}: arithmetic on a gathered index")
 
     def _gather(self, node: Node, idx: tuple) -> Ref:
