@@ -381,6 +381,29 @@ def test_index_arithmetic_on_gathered_values():
                     torch.randint(0, 4, (32,), dtype=torch.int32)), "2 index tensors")
 
 
+def test_scale_per_k_block_shared_by_every_column():
+    """A load whose index has k // 64 and no n (a scale per block of k, the same for every column): the
+    generated kernels read it as one scalar per tile row (a masked row load of a scalar did not compile)."""
+    K, R = 256, 4
+
+    def views(x, w, s):
+        return x @ (w.to(x.dtype) * s.view(R, 1).expand(R, K // R).reshape(K, 1))
+
+    def gathered(x, w, s, g):
+        return x @ (w.to(x.dtype) * s[g.long().repeat_interleave(K // R)])
+
+    torch.manual_seed(0)
+    w8 = torch.randint(-128, 128, (K, 32), dtype=torch.int8)
+    for fn, extra in ((views, (torch.rand(R, dtype=torch.bfloat16) + 0.5,)),
+                      (gathered, (torch.rand(R, 32, dtype=torch.bfloat16) + 0.5, torch.randperm(R).int()))):
+        x = torch.randn(3, K, dtype=torch.bfloat16)
+        text, leaves, _ = decode_program(fn, x, w8, *extra)
+        want = dm.decode_mm_reference(x.double(), leaves, text)
+        for cfg in (dm.DequantConfig(), dm.Config(1, 32, 64, 1, 1, 4, 1), dm.Config(16, 32, 64, 2, 1, 4, 2)):
+            got = dm.decode_mm_triton(x, [t.to(DEVICE) for t in leaves], text, None, config=cfg)
+            assert rel_err(got.cpu(), want) <= TOL[torch.bfloat16], (fn.__name__, cfg)
+
+
 @pytest.mark.parametrize("order", ["act_order", "negative", "columns"])
 def test_gathered_rows_of_scales_and_zeros(order):
     """``scales[g_idx]`` read at every k: act-order permutations, torch's negative indices (wrapped), and a

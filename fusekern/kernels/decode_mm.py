@@ -49,7 +49,7 @@ from fusekern.kernels import fp4_mma_sync as f4s
 from fusekern.kernels import decode_mm_stock as stock
 from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import packed_mm as pm
-from fusekern.kernels import replay, sorted_gather
+from fusekern.kernels import replay, layout_guard
 from fusekern.kernels import device_info
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
@@ -603,7 +603,10 @@ def decode_source(prog: DecodeProgram) -> str:
                 # computed from it stays one row too.
                 row = " + ".join(_row_terms(args[1:], leaf, ranges))
                 lines.append(f"if BLOCK_K <= {pk}:")
-                lines.append(f"    v{i} = tl.load(L{args[0]} + ({row or '0'}), mask=nmask{other}){conv}")
+                if any(isinstance(a, sympy.Basic) and N in a.free_symbols for a in args[1:]):
+                    lines.append(f"    v{i} = tl.load(L{args[0]} + ({row or '0'}), mask=nmask{other}){conv}")
+                else:  # one value for the whole tile row (a scale per k block, the same for every n): a scalar
+                    lines.append(f"    v{i} = tl.load(L{args[0]} + ({row or '0'})){conv}")
                 lines.append("else:")
                 lines.append("    " + load)
             else:
@@ -1077,7 +1080,7 @@ _REPLAYS = LeafCache()  # (program, layout, bias given, activation) per leaf set
 def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path.
     Calls after the first with the same leaves, bias and activation layout replay its launch (``replay``)."""
-    program, layout = sorted_gather.resolve(program, layout, leaves)
+    program, layout = layout_guard.resolve(program, layout, leaves)
     key = (program, layout, bias is not None, *replay.x_key(x))
     tensors = leaves if bias is None else [*leaves, bias]
     rep = _REPLAYS.get(key, tensors)

@@ -140,6 +140,22 @@ def gptq_g_idx(x, qweight, qzeros, scales, g_idx):
     return torch.matmul(x, weights.to(x.dtype))
 
 
+def gptq_model(x, qweight, qzeros, scales, g_idx, wf_zero, wf_neg):
+    """GPTQModel's TorchQuantLinear: as gptq_g_idx, with the shift table held by the module (``wf``, two views
+    made once: [1, 8] for the zeros, [8, 1] for the weight), so the graph passes it like a weight."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    zeros = torch.bitwise_right_shift(torch.unsqueeze(qzeros, 2).expand(-1, -1, 8), wf_zero).to(torch.int16)
+    zeros = torch.bitwise_and(zeros, 15).reshape(scales.shape)
+    w = torch.bitwise_and(torch.bitwise_right_shift(torch.unsqueeze(qweight, 1).expand(-1, 8, -1), wf_neg)
+                          .to(torch.int16), 15).reshape(K, N)
+    return torch.matmul(x, (scales[g_idx.long()] * (w - zeros[g_idx.long()])).to(x.dtype))
+
+
+def _wf(device):
+    wf = torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+    return wf.unsqueeze(0).clone(), wf.unsqueeze(-1).clone()
+
+
 def _act_order(K, G, device):
     """GPTQ act-order's g_idx: the group of every k, in a random order of k (each group G of them)."""
     return (torch.randperm(K) // G).to(torch.int32).to(device)
@@ -276,6 +292,10 @@ CASES = [
          lambda K, N, G, device: (_i32(K // 8, N, device=device), _i32(K // G, N // 8, device=device),
                                   _scale(K // G, N, device=device),
                                   (torch.arange(K, device=device) // G).to(torch.int32)), "generic"),
+    Case("gptq_model", gptq_model,
+         lambda K, N, G, device: (_i32(K // 8, N, device=device), _i32(K // G, N // 8, device=device),
+                                  _scale(K // G, N, device=device),
+                                  (torch.arange(K, device=device) // G).to(torch.int32), *_wf(device)), "generic"),
     Case("awq", awq,
          lambda K, N, G, device: (_i32(K, N // 8, device=device), _i32(K // G, N // 8, device=device),
                                   _scale(K // G, N, device=device)), "awq"),

@@ -1,8 +1,8 @@
 """From FX to a decode program: find the weight's decode cone and express it per element.
 
 ``find_cone(matmul)`` walks back from the matmul's weight operand through the ops a weight decode
-is written with (elementwise math and bit twiddling, casts, views, cat, small-table lookups) to graph
-inputs and constants. ``analyse(cone)`` then evaluates the cone symbolically for one weight element
+is written with (elementwise math and bit twiddling, casts, views, cat, small-table lookups, gathers by an
+index tensor such as GPTQ's ``scales[g_idx]``) to graph inputs and constants. ``analyse(cone)`` then evaluates the cone symbolically for one weight element
 ``W[b, k, n]``: views turn into floor-div / mod index expressions (sympy, simplified with the index
 ranges), expand drops dims, cat becomes a selection on the index, and each op becomes one scalar
 instruction of a ``DecodeProgram``.
@@ -314,7 +314,7 @@ class _Builder:
         size = tshape[dim]
         r = self.value(index, idx[dim:dim + len(ishape)])
         if self.sorted_gathers:
-            leaf = self._leaf_read_at_k(r)
+            leaf = self._leaf_read_at_k(r, size)
             if leaf is not None and self.ranges[K] % size == 0:
                 group = self.ranges[K] // size
                 if self.sorted_leaves.setdefault(leaf, group) != group:
@@ -330,16 +330,21 @@ class _Builder:
         self.ranges[sym] = size
         return self.value(table, idx[:dim] + (sym,) + idx[dim + len(ishape):])
 
-    def _leaf_read_at_k(self, r: Ref) -> int | None:
-        """The leaf whose element k ``r`` is (through casts), if a 1-D integer leaf of K entries."""
+    def _leaf_read_at_k(self, r: Ref, rows: int) -> int | None:
+        """The leaf whose element k ``r`` is, if a 1-D integer leaf of K entries read through casts that keep
+        every row index below ``rows`` as it is (the check reads the leaf's own values: a narrowing cast,
+        ``g.bool()`` or ``g.to(torch.uint8)`` with more rows, would make them another index)."""
         ins = self.instrs[r.i]
-        while ins.op == "cast" and is_int(ins.dtype):
+        while ins.op == "cast":
+            if not is_int(ins.dtype) or ins.dtype == torch.bool or torch.iinfo(ins.dtype).max < rows - 1:
+                return None
             ins = self.instrs[ins.args[0].i]
         if ins.op != "load" or tuple(ins.args[1:]) != (K,):
             return None
-        leaf = self.cone.leaves[ins.args[0]]
-        v = _val(leaf)
-        return ins.args[0] if v is not None and v.dim() == 1 and v.shape[0] == self.ranges[K] else None
+        v = _val(self.cone.leaves[ins.args[0]])
+        if v is None or v.dtype == torch.bool or not is_int(v.dtype) or v.dim() != 1 or v.shape[0] != self.ranges[K]:
+            return None
+        return ins.args[0]
 
     # -- values ---------------------------------------------------------------------------------------
     def value(self, node, idx: tuple, dtype: torch.dtype | None = None) -> Ref:

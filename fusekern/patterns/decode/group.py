@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 from fusekern.kernels import decode_mm as kernel
 from fusekern.kernels import decode_mm_group as group_kernel
 from fusekern.kernels import packed_gemv_group as pg
-from fusekern.kernels import sorted_gather
+from fusekern.kernels import layout_guard
 from fusekern.patterns.decode.program import DecodeProgram
 
 NAME = "decode_matmul_group"
@@ -38,7 +38,7 @@ def _same_values(x: Node):
 def _key(node: Node):
     """What members of one group share: the activation, the layout, K (None: not groupable)."""
     x, leaves, text, bias, layout = (list(node.args) + [""])[:5]
-    if bias is not None or not layout or sorted_gather.is_guarded(layout) or not isinstance(x, Node):
+    if bias is not None or not layout or layout_guard.is_guarded(layout) or not isinstance(x, Node):
         return None
     val = x.meta.get("val")
     if val is None or val.dim() != 2:

@@ -257,7 +257,7 @@ def _constants(prog: DecodeProgram) -> list[float]:
     return vals or [0.0]
 
 
-def _random_leaves(prog: DecodeProgram, lay: PackedLayout, leaf_values: dict, g: torch.Generator):
+def random_leaves(prog: DecodeProgram, lay: PackedLayout, leaf_values: dict, g: torch.Generator):
     out = []
     for i, leaf in enumerate(prog.leaves):
         if i in leaf_values:
@@ -290,7 +290,7 @@ def _random_leaves(prog: DecodeProgram, lay: PackedLayout, leaf_values: dict, g:
     return out
 
 
-def _window(size: int, head: int, tail: int) -> list[int]:
+def edge_window(size: int, head: int, tail: int) -> list[int]:
     return sorted({*range(min(size, head)), *range(max(size - tail, 0), size)})
 
 
@@ -304,8 +304,8 @@ def verify(prog: DecodeProgram, lay: PackedLayout, leaf_values: dict | None = No
 
 def _verify_once(prog: DecodeProgram, lay: PackedLayout, leaf_values: dict | None, seed: int) -> bool:
     g = torch.Generator().manual_seed(seed)
-    leaves = _random_leaves(prog, lay, leaf_values or {}, g)
-    ks, ns = _window(prog.K, 512, 64), _window(prog.N, 64, 32)
+    leaves = random_leaves(prog, lay, leaf_values or {}, g)
+    ks, ns = edge_window(prog.K, 512, 64), edge_window(prog.N, 64, 32)
     try:
         want = prog.evaluate_at(leaves, prog.out, {"k": ks, "n": ns, "b": 0}).to(torch.float64)
         got = lay.weight_at(leaves, torch.tensor(ks), torch.tensor(ns))

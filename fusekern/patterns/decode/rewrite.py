@@ -8,16 +8,18 @@ computed from integer / fp8 inputs.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_mm as kernel
-from fusekern.kernels import device_info, sorted_gather
+from fusekern.kernels import device_info, layout_guard
 from fusekern.patterns.decode.analysis import (
     CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, weight_operand,
 )
 from fusekern.patterns.decode.formats import recognize
-from fusekern.patterns.decode.layout import derive_layout
+from fusekern.patterns.decode.layout import derive_layout, edge_window, random_leaves
 from fusekern.patterns.decode.program import FP8_DTYPES, MAX_TABLE, DecodeProgram
 
 aten = torch.ops.aten
@@ -107,7 +109,7 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     constants = _constants(graph, cone)
     fmt = recognize(prog, constants)
     layout = derive_layout(prog, fmt, constants)
-    sorted_variant = _sorted_gathers(cone, constants) if layout is None and prog.lookups() else None
+    guarded = _guarded_variant(cone, prog, constants) if layout is None else None
     # Small tables the user's code builds every call (``torch.tensor(...)``: a constant the graph copies with
     # lift_fresh_copy) and constant lookup tables travel inside the program, and the op keeps one tensor of
     # each: passed as graph values they would arrive as a fresh copy every call (below), a launch and a miss in
@@ -121,15 +123,17 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     prog = prog.with_constants(embedded)
     layout_text = layout.to_text() if layout else ""
     note = f"{fmt.describe()}; {'hand-tuned packed kernels' if layout else 'generated kernel'}"
-    if sorted_variant is not None:
-        sorted_prog, sorted_fmt, sorted_layout, checks = sorted_variant
-        sorted_prog = sorted_prog.with_constants(embedded)
+    if guarded is not None:
+        g_prog, g_fmt, g_layout, checks = guarded
+        g_prog = g_prog.with_constants(embedded)
         if checks:
-            layout_text = sorted_gather.guarded_layout(sorted_prog.to_text(), sorted_layout.to_text(), checks)
-            note = (f"{sorted_fmt.describe()} where g_idx is arange(K) // G (checked on the first call with each "
-                    f"set of weights: hand-tuned packed kernels), else {fmt.describe()} (generated kernel)")
-        else:  # the index is a constant of the graph, and sorted
-            prog, fmt, layout_text = sorted_prog, sorted_fmt, sorted_layout.to_text()
+            layout_text = layout_guard.guarded(g_prog.to_text(), g_layout.to_text(), checks)
+            what = " and ".join(sorted({"g_idx is arange(K) // G" if kind == "groups" else "the shift tables hold "
+                                        f"{list(param)}" for kind, param in checks.values()}))
+            note = (f"{g_fmt.describe()} where {what} (checked on the first call with each set of weights: "
+                    f"hand-tuned packed kernels), else {fmt.describe()} (generated kernel)")
+        else:  # what was assumed are constants of the graph, and they hold
+            prog, fmt, layout_text = g_prog, g_fmt, g_layout.to_text()
             note = f"{fmt.describe()}; hand-tuned packed kernels"
     mode = _val(act).fake_mode
     leaves = []
@@ -158,30 +162,95 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     return note
 
 
-def _sorted_gathers(cone: Cone, constants: dict):
-    """(program, format, layout, checks) of the decode read with every gather by a [K] index leaf as k // G,
-    where that program has a packed layout (GPTQ's ``scales[g_idx]`` without act-order); checks: {leaf: G}
-    for the index leaves the op must check (those that are constants of the graph are checked here). None
-    where there is no such reading, or it has no layout, or a constant index is not sorted."""
+def _guarded_variant(cone: Cone, prog: DecodeProgram, constants: dict):
+    """A packed layout that holds if some leaves have the values real checkpoints give them, which the graph
+    does not show: GPTQ's g_idx read as ``k // G`` (``analyse_sorted``), small integer leaves (shift tables in
+    buffers, GPTQModel's ``wf``) as the shift tables of sequential or AWQ packing. Returns (program, format,
+    layout, checks) with checks {leaf: ("groups", G) | ("values", [ints])} for the op to make on its first
+    call (those on constants of the graph are made here), or None."""
+    base, checks = prog, {}
+    if prog.lookups():
+        try:
+            found = analyse_sorted(cone)
+        except Unsupported:
+            found = None
+        if found is not None:
+            base, groups = found
+            checks = {i: ("groups", g) for i, g in groups.items()}
+    tables = _small_int_leaves(base, constants)
+    by_size: dict[int, list[int]] = {}
+    for i in tables:
+        by_size.setdefault(base.leaves[i].numel, []).append(i)
+    sizes = sorted(by_size)
+    # every table of one size gets the same values (GPTQModel keeps two views of one shift table)
+    for values in itertools.product(*[[None, *_shift_tables(P)] for P in sizes]):
+        assumed = {i: v for P, v in zip(sizes, values) if v is not None for i in by_size[P]}
+        if not assumed and not checks:
+            continue  # (nothing assumed: the plain derivation already failed)
+        known = {**constants, **{i: torch.tensor(v, dtype=base.leaves[i].dtype).reshape(base.leaves[i].shape)
+                                 for i, v in assumed.items()}}
+        fmt = recognize(base, known)
+        layout = derive_layout(base, fmt, known)
+        if layout is not None:
+            break
+    else:
+        return None
     try:
-        found = analyse_sorted(cone)
-    except Unsupported:
-        return None
-    if found is None:
-        return None
-    prog, checks = found
-    fmt = recognize(prog, constants)
-    layout = derive_layout(prog, fmt, constants)
-    if layout is None:
-        return None
-    try:
-        kernel.decode_source(prog)
+        kernel.decode_source(base)
     except NotImplementedError:
         return None
-    for i in [i for i in checks if i in constants]:
-        if not sorted_gather.is_sorted(constants[i], checks.pop(i)):
-            return None
-    return prog, fmt, layout, checks
+    checks = {**checks, **{i: ("values", tuple(v)) for i, v in assumed.items()}}
+    if not _same_weight(prog, base, layout, checks, constants):
+        return None
+    gm = cone.matmul.graph.owning_module
+    for i in list(checks):  # constants of the graph (of any size: a copy reaches the op afresh every call)
+        leaf = cone.leaves[i]
+        value = constants.get(i)
+        if value is None and leaf.op == "get_attr" and gm is not None:
+            value = getattr(gm, leaf.target, None)
+        if isinstance(value, torch.Tensor):
+            kind, param = checks.pop(i)
+            if not layout_guard.holds(value.detach().cpu(), kind, param):
+                return None
+    return base, fmt, layout, checks
+
+
+def _same_weight(prog: DecodeProgram, base: DecodeProgram, layout, checks: dict, constants: dict) -> bool:
+    """Do ``prog`` (as written) and ``base`` (read under the checks) give the same weight, bit for bit, where
+    the checked leaves hold what the checks ask? On two draws of random leaves over the first and last rows
+    and columns: the analysis's substitution of ``k // G`` is not trusted alone."""
+    for seed in (0, 1):
+        fixed = dict(constants)
+        for i, (kind, param) in checks.items():
+            leaf = prog.leaves[i]
+            want = torch.arange(leaf.numel) // param if kind == "groups" else torch.tensor(param)
+            fixed[i] = want.to(leaf.dtype).reshape(leaf.shape)
+        leaves = random_leaves(prog, layout, fixed, torch.Generator().manual_seed(seed))
+        window = {"k": edge_window(prog.K, 512, 64), "n": edge_window(prog.N, 64, 32), "b": 0}
+        try:
+            a = prog.evaluate_at(leaves, prog.out, window)
+            b = base.evaluate_at(leaves, base.out, window)
+        except (IndexError, RuntimeError, ValueError):
+            return False
+        if a.shape != b.shape or not bool(((a == b) | (a.isnan() & b.isnan())).all()):
+            return False
+    return True
+
+
+def _small_int_leaves(prog: DecodeProgram, constants: dict) -> list[int]:
+    """Leaves that could be shift tables: integer, at most 64 entries, read, not constants of the graph."""
+    read = {ins.args[0] for ins in prog.instrs if ins.op == "load"}
+    return [i for i in sorted(read) if i not in constants and prog.leaves[i].numel <= 64
+            and prog.leaves[i].dtype in (torch.int16, torch.int32, torch.int64, torch.uint8)]
+
+
+AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
+
+
+def _shift_tables(P: int) -> list[tuple[int, ...]]:
+    """Shift tables of P fields in a word: sequential fields of 32 / 16 / 8-bit words, and AWQ's order."""
+    out = [tuple(j * (w // P) for j in range(P)) for w in (32, 16, 8) if w % P == 0 and w // P >= 2]
+    return out + [AWQ_SHIFTS] if P == 8 else out
 
 
 def rewrite_decode_matmuls(graph: Graph) -> int:

@@ -1,0 +1,100 @@
+"""GPTQ's ``g_idx`` on the hand-tuned kernels when it is sorted, checked once per set of leaves.
+
+GPTQModel's and AutoGPTQ's torch paths dequantize with ``scales[g_idx] * (w - zeros[g_idx])`` whether or not
+the checkpoint was quantized with act-order. Without act-order ``g_idx`` is ``arange(K) // G`` and the decode
+is plain GPTQ, which the hand-tuned kernels read; with it each k's group is data, which only the generated
+kernel (it gathers) computes. Which of the two a layer holds shows only in ``g_idx``'s values, and one compiled
+graph serves every layer, so the rewrite passes the op both: the program as written (always right), and as its
+layout argument a *guarded* layout: the program read with ``k // G``, that program's packed layout, and the
+leaves that must equal ``arange(K) // G`` for it to hold. The op checks them on its first call with a set of
+leaves (one comparison on the device and one host sync, remembered per leaf set like the op's launch replay)
+and takes the hand-tuned path only where they hold. The verdict is kept per leaf set and each leaf's version
+counter, so a g_idx written in place (``load_state_dict`` of an act-order checkpoint into a module that ran
+before) is checked again; a CUDA graph captured before such a write keeps replaying what it captured, and
+inference-mode tensors, which count no versions, are not checked again.
+
+The same check covers small shift tables held in buffers or module attributes (GPTQModel's ``wf``,
+``arange(0, 32, 4)``): the graph passes them like weights, so their values too are known only at run time.
+A check is ``(leaf, "groups", G)``: the leaf is ``arange(K) // G``; or ``(leaf, "values", [...])``: the
+leaf holds these values (flattened).
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.patterns.decode.program import DecodeProgram
+
+PREFIX = "layout_guard:"
+
+
+def guarded(program: str, layout: str, checks: dict) -> str:
+    """The op's layout argument: use ``program`` with ``layout`` where every leaf ``i`` of ``checks`` (by its
+    index in the program's leaves) passes ``checks[i]``: ``("groups", G)`` or ``("values", [ints])``."""
+    if not checks or not layout:
+        raise ValueError("a guarded layout needs a packed layout and at least one checked leaf")
+    for kind, param in checks.values():
+        if kind not in ("groups", "values"):
+            raise ValueError(f"unknown check {kind!r}")
+    return PREFIX + json.dumps({"program": program, "layout": layout,
+                                "checks": [[i, kind, param] for i, (kind, param) in sorted(checks.items())]},
+                               separators=(",", ":"))
+
+
+def is_guarded(layout: str) -> bool:
+    return layout.startswith(PREFIX)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(layout: str) -> tuple[str, str, tuple]:
+    doc = json.loads(layout[len(PREFIX):])
+    checks = tuple((int(i), kind, tuple(param) if isinstance(param, list) else int(param))
+                   for i, kind, param in doc["checks"])
+    return doc["program"], doc["layout"], checks
+
+
+def is_sorted(index: torch.Tensor, group: int) -> bool:
+    """Is ``index`` (a [K] integer tensor) ``arange(K) // group``? One comparison where it lives."""
+    flat = index.reshape(-1)
+    want = torch.arange(flat.numel(), device=flat.device) // group
+    return bool(torch.equal(flat.to(torch.int64), want))
+
+
+def holds(t: torch.Tensor, kind: str, param) -> bool:
+    if kind == "groups":
+        return is_sorted(t, param)
+    flat = t.reshape(-1)
+    return flat.numel() == len(param) and bool(torch.equal(flat.to(torch.int64),
+                                                           torch.tensor(param, device=flat.device)))
+
+
+_CHECKED = LeafCache()  # (guarded layout, versions) per set of checked leaves -> whether they pass
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place write counter (-1 for inference-mode tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def resolve(program: str, layout: str, leaves) -> tuple[str, str]:
+    """(program, layout) for this call: the guarded pair where its leaves check, else the program as written
+    with no layout (the generated kernels). Unguarded arguments come back as they are."""
+    if not is_guarded(layout):
+        return program, layout
+    guarded_program, guarded_layout_text, checks = _parse(layout)
+    taken = DecodeProgram.from_text(program).taken(len(leaves))
+    tensors = [leaves[taken.index(i)] for i, _, _ in checks]
+    key = (layout, tuple(map(_version, tensors)))
+    ok = _CHECKED.get(key, tensors)
+    if ok is None:
+        if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+            return program, ""  # nothing may synchronize now; a call before capture decides for the graph
+        ok = all(holds(t, kind, param) for t, (_, kind, param) in zip(tensors, checks))
+        _CHECKED.put(key, tensors, ok)
+    return (guarded_program, guarded_layout_text) if ok else (program, "")
