@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fusekern.compiler_pass.example_inputs import provided as example_inputs_for_passes
 from fusekern.compiler_pass.options import FusekernOptions
 from fusekern.compiler_pass.pass_manager import make_stage_passes
 from fusekern.compiler_pass.report import add_cache_hits
@@ -57,7 +58,7 @@ def fusekern_backend(
         no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
 
     hits_before = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    with no_cache:
+    with no_cache, example_inputs_for_passes(example_inputs):
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits_before
     if hits:

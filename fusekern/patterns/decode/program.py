@@ -140,6 +140,11 @@ class DecodeProgram:
         return {ins.args[0] for ins in self.instrs
                 if ins.op == "load" and any(isinstance(a, Ref) for a in ins.args[1:])}
 
+    def row_gathers(self) -> set[int]:
+        """Leaves of more than one dim read at a data-dependent index (``scales[g_idx]``, ``w[:, order]``): rows
+        or columns gathered by data, not a lookup table."""
+        return {i for i in self.lookups() if sum(s != 1 for s in self.leaves[i].shape) > 1}
+
     def with_constants(self, constants: dict) -> "DecodeProgram":
         """This program with the leaves in ``constants`` (index -> a small contiguous CPU tensor of the
         leaf's dtype and shape) embedded by value."""

@@ -14,6 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fusekern.kernels import decode_mm as kernel
+from fusekern.compiler_pass import example_inputs
 from fusekern.kernels import device_info, layout_guard
 from fusekern.patterns.decode.analysis import (
     CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, weight_operand,
@@ -110,6 +111,12 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     fmt = recognize(prog, constants)
     layout = derive_layout(prog, fmt, constants)
     guarded = _guarded_variant(cone, prog, constants) if layout is None else None
+    if layout is None and guarded is None and prog.row_gathers():
+        # Measured on the H100 (8192 x 8192, M = 1, CUDA graphs; benchmarks/results/h100/decode_mm_g_idx.csv):
+        # act-order GPTQ 173 µs against stock's 145, AutoAWQ's column reorder 327 against 170.
+        raise Unsupported("weight rows or columns gathered by data (act-order g_idx, a column reorder) and no "
+                          "packed layout: the generated kernel and the program's stock code are slower than stock "
+                          "inductor on the graph as written")
     # Small tables the user's code builds every call (``torch.tensor(...)``: a constant the graph copies with
     # lift_fresh_copy) and constant lookup tables travel inside the program, and the op keeps one tensor of
     # each: passed as graph values they would arrive as a fresh copy every call (below), a launch and a miss in
@@ -212,6 +219,12 @@ def _guarded_variant(cone: Cone, prog: DecodeProgram, constants: dict):
             kind, param = checks.pop(i)
             if not layout_guard.holds(value.detach().cpu(), kind, param):
                 return None
+    for i, (kind, param) in checks.items():
+        # The example input this graph is compiled for (the first layer's g_idx): where it fails, an act-order
+        # checkpoint, every layer would run the program instead, slower than stock (measured): decline.
+        example = example_inputs.value_of(cone.leaves[i])
+        if example is not None and not layout_guard.holds(example.detach(), kind, param):
+            return None
     return base, fmt, layout, checks
 
 
@@ -264,6 +277,11 @@ def rewrite_decode_matmuls(graph: Graph) -> int:
             if _is_candidate(mm):
                 record_rejection(NAME, mm.name, str(why))
             continue
-        record_note(NAME, mm.name, _replace(graph, cone, prog))
+        try:
+            note = _replace(graph, cone, prog)  # (raises before it changes the graph)
+        except Unsupported as why:
+            record_rejection(NAME, mm.name, str(why))
+            continue
+        record_note(NAME, mm.name, note)
         fired += 1
     return fired
