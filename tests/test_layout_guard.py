@@ -222,3 +222,40 @@ def test_a_large_constant_g_idx_is_checked_when_compiling():
     op = next(n for n in gm.graph.nodes if n.target == dm.decode_mm.default)
     assert op.args[4] and not layout_guard.is_guarded(op.args[4])
     assert_compiled(fn, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_reading_example_values_keeps_the_batch_dynamic():
+    """value_of compares shapes through their hints: comparing the SymInt itself guarded the batch size and
+    recompiled the graph for every new M."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import fusekern
+
+    torch._dynamo.reset()
+    fusekern.reset_match_report()
+    m = GPTQModelLinear(BY_NAME["gptq_model"].make(K, N, G, "cpu"))
+    counter = CompileCounterWithBackend("fusekern")
+    f = torch.compile(m, backend=counter, dynamic=True)
+    for M in (4, 7, 9):
+        x = torch.randn(M, K, dtype=torch.bfloat16)
+        assert rel_err(f(x), m(x)) <= 1e-2
+    assert counter.frame_count == 1
+    assert fusekern.match_report().fired().get("decode_matmul") == 1
+
+
+def test_example_digest_keys_only_what_a_rewrite_reads():
+    """The FX graph cache key part: g_idx sorted or not and shift-table values change it; token ids, positions
+    and seeds do not enter it."""
+    from fusekern.compiler_pass.example_inputs import digest
+
+    ws = list(BY_NAME["gptq_model"].make(K, N, G, "cpu"))
+    act = list(ws)
+    act[3] = act_order_index()
+    awq = list(ws)
+    awq[4] = torch.tensor([[0, 16, 4, 20, 8, 24, 12, 28]], dtype=torch.int32)
+    assert len({digest(ws), digest(act), digest(awq)}) == 3
+    assert digest(ws) == digest([t.clone() for t in ws])
+    others = [torch.randint(0, 32000, (1, 77)), torch.arange(5, 12), torch.tensor([1234]), torch.tensor([3]),
+              torch.randn(8, 8)]
+    assert digest(others) == ""

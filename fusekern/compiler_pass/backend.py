@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fusekern.compiler_pass.example_inputs import digest as example_digest
 from fusekern.compiler_pass.example_inputs import provided as example_inputs_for_passes
 from fusekern.compiler_pass.options import FusekernOptions
 from fusekern.compiler_pass.pass_manager import make_stage_passes
@@ -50,7 +51,12 @@ def fusekern_backend(
     opts = FusekernOptions.parse(options)
     config_patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     config_patches.update(opts.inductor)
-    config_patches.update(make_stage_passes(select_patterns(opts), opts, config_patches))
+    passes = make_stage_passes(select_patterns(opts), opts, config_patches)
+    digest = example_digest(example_inputs)
+    for p in passes.values():
+        if hasattr(p, "example_digest"):
+            p.example_digest = digest
+    config_patches.update(passes)
     # Debug asks to see the passes run, and a cache hit would skip them.
     no_cache = contextlib.nullcontext()
     if opts.debug:

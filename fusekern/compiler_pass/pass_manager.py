@@ -68,6 +68,9 @@ class FusekernGraphPass(CustomGraphPass):
         self.patterns = list(patterns)
         self.options = options
         self.chained = _as_tuple(chained)
+        # What of the example inputs' values the rewrites may read (example_inputs.digest): part of the FX
+        # graph cache key, so a graph rewritten for a sorted g_idx is not loaded for an act-order one.
+        self.example_digest = ""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for user_pass in self.chained:
@@ -101,7 +104,8 @@ class FusekernGraphPass(CustomGraphPass):
         self._dump(graph, "after", report.graph_id)
 
     def uuid(self) -> str | None:
-        parts = [PASS_VERSION, _machinery_hash(), self.stage, [(p.name, p.fingerprint) for p in self.patterns]]
+        parts = [PASS_VERSION, _machinery_hash(), self.stage, [(p.name, p.fingerprint) for p in self.patterns],
+                 self.example_digest]
         for user_pass in self.chained:
             uid = user_pass.uuid() if hasattr(user_pass, "uuid") else None
             if uid is None:  # the user's pass opts out of caching: so do we
