@@ -667,3 +667,31 @@ def test_packed_weight_marked_dynamic_is_declined_without_a_guard():
     out = torch.compile(f, backend="fusekern")(x, wp, s)
     assert torch.equal(out, f(x, wp, s)) or rel_err(out.double(), f(x, wp, s).double()) < 1e-2
     assert any("symbolic shape" in r.reason for r in fusekern.match_report().rejections())
+
+
+def test_autoawq_reorder_folds_into_awqs_packed_layout(monkeypatch):
+    """AutoAWQ's dequantize_gemm reorders unpacked columns by a tensor built from arange and a constant list:
+    the analysis folds that constant (8 * (n // 8) + T[n % 8]) so the program reads the packed words at
+    n // 8 as AWQ's own form does, and the hand-tuned AWQ kernels run (interpreter on CPU), against float64."""
+    from fusekern.kernels import layout_guard
+    from fusekern.patterns.decode.rewrite import rewrite_decode_matmuls
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    case = BY_NAME["awq_reorder"]
+    torch.manual_seed(0)
+    K, N, G = 256, 64, 64
+    ws = case.make(K, N, G, "cpu")
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    gm, inputs = post_grad_graph(case.fn, x, *ws)
+    assert rewrite_decode_matmuls(gm.graph) == 1
+    op = next(n for n in gm.graph.nodes if n.target == dm.decode_mm.default)
+    by_node = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    leaves, program, layout = [by_node[a] for a in op.args[1]], op.args[2], op.args[4]
+    assert layout and not layout_guard.is_guarded(layout)
+    assert not DecodeProgram.from_text(program).row_gathers()
+    packed = []
+    real = dm.pm.packed_mm
+    monkeypatch.setattr(dm.pm, "packed_mm", lambda *a, **k: packed.append(1) or real(*a, **k))
+    got = dm._decode_mm_cuda(x.to(DEVICE), [t.to(DEVICE) for t in leaves], program, None, layout)
+    assert packed and rel_err(got.cpu(), case.fn(x.double(), *ws).double()) <= TOL[torch.bfloat16]

@@ -302,7 +302,7 @@ CASES = [
                                   _scale(K // G, N, device=device)), "awq"),
     Case("awq_reorder", awq_reorder,
          lambda K, N, G, device: (_i32(K, N // 8, device=device), _i32(K // G, N // 8, device=device),
-                                  _scale(K // G, N, device=device)), "generic", fires=False),
+                                  _scale(K // G, N, device=device)), "awq"),
     Case("hqq", hqq,
          lambda K, N, G, device: (torch.randint(0, 16, (N, K), dtype=torch.uint8, device=device),
                                   _scale(N, K // G, device=device),

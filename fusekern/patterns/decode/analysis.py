@@ -228,6 +228,7 @@ class _Builder:
         # table has K / G rows (GPTQ without act-order); ``sorted_leaves`` then maps each such leaf to its G.
         self.sorted_gathers = sorted_gathers
         self.sorted_leaves: dict[int, int] = {}
+        self.extra_leaves: list[Leaf] = []  # small constants the analysis made (folded reorders), carried by value
         self.instrs: list[Instr] = []
         self.index_of: dict[Instr, int] = {}
         self.leaf_id = {n: i for i, n in enumerate(cone.leaves)}
@@ -320,6 +321,10 @@ class _Builder:
                 if self.sorted_leaves.setdefault(leaf, group) != group:
                     raise Unsupported(f"{node.name}: one index leaf read as groups of two sizes")
                 return self.value(table, idx[:dim] + (FloorDiv(K, group),) + idx[dim + len(ishape):])
+        pos = idx[dim:dim + len(ishape)]
+        folded = self._periodic_constant(r, pos[0], size) if len(pos) == 1 else None
+        if folded is not None:  # a constant reorder (AutoAWQ's columns): no data-dependent index left
+            return self.value(table, idx[:dim] + (folded,) + idx[dim + len(ishape):])
         d = self.dtype(r)
         zero, last = self.emit("const", (0,), d), self.emit("const", (size - 1,), d)
         wrapped = self.emit("where", (self.emit("lt", (r, zero), torch.bool),
@@ -329,6 +334,75 @@ class _Builder:
         self.gathered[sym] = r
         self.ranges[sym] = size
         return self.value(table, idx[:dim] + (sym,) + idx[dim + len(ishape):])
+
+    def _periodic_constant(self, r: Ref, at, size: int):
+        """``r`` as ``P * (at // P) + T[at % P]`` (an index expression with a small embedded table T), where r is
+        computed from constants only, ``at`` is k or n, and its values over that whole range take that form
+        with 0 <= T < P for a power of two P <= 64 (AutoAWQ's column reorder: P = 8). None otherwise.
+
+        Folding the constant keeps the loads at plain index expressions, so a reordered packing reads as the
+        format it is (AWQ's interleaved fields) and takes its packed layout."""
+        if at not in (K, N) or at not in self.ranges:
+            return None
+        extent = self.ranges[at]
+        known = self._known_leaves()
+        cone, stack = set(), [r.i]
+        while stack:  # r may read constants, index expressions in ``at`` and arithmetic only
+            i = stack.pop()
+            if i in cone:
+                continue
+            cone.add(i)
+            ins = self.instrs[i]
+            args = ins.args[1:] if ins.op == "load" else ins.args
+            if ins.op == "load" and ins.args[0] not in known:
+                return None
+            for a in args:
+                if isinstance(a, Ref):
+                    stack.append(a.i)
+                elif isinstance(a, sympy.Basic) and not a.free_symbols <= {at}:
+                    return None
+        from fusekern.patterns.decode.program import evaluate
+
+        leaves = [Leaf(v.dtype, tuple(v.shape), tuple(v.stride())) for v in (_val(n) for n in self.cone.leaves)]
+        tensors = [known.get(i, torch.zeros(leaf.shape, dtype=leaf.dtype)) for i, leaf in enumerate(leaves)]
+        window = {"k": range(extent) if at == K else [0], "n": range(extent) if at == N else [0], "b": 0}
+        try:
+            values = evaluate(DecodeProgram(leaves, list(self.instrs), r.i, self.ranges[K], self.ranges[N]), tensors,
+                              out=r.i, window=window).reshape(-1).to(torch.int64)
+        except (IndexError, RuntimeError, ValueError):
+            return None
+        values = torch.where(values < 0, values + size, values)
+        pos = torch.arange(extent)
+        for period in (2, 4, 8, 16, 32, 64):
+            if extent % period:
+                break
+            table = values[:period]
+            if bool((table >= 0).all()) and bool((table < period).all()) \
+                    and torch.equal(values, period * (pos // period) + table[pos % period]):
+                leaf = self._embed(table.to(torch.int32))
+                t = self.emit("load", (leaf, self.simplify(sympy.Mod(at, period))), torch.int32)
+                sym = sympy.Symbol(f"g{t.i}", integer=True, nonnegative=True)
+                self.gathered[sym] = t
+                self.ranges[sym] = period
+                return period * FloorDiv(at, period) + sym
+        return None
+
+    def _known_leaves(self) -> dict[int, torch.Tensor]:
+        """Values of the cone's leaves that are constants of the graph (get_attr), by leaf index."""
+        gm = self.cone.matmul.graph.owning_module
+        out = {}
+        for i, n in enumerate(self.cone.leaves):
+            v = getattr(gm, n.target, None) if n.op == "get_attr" and gm is not None else None
+            if isinstance(v, torch.Tensor) and v.numel() <= 1 << 16:
+                out[i] = v.detach().cpu()
+        return out
+
+    def _embed(self, table: torch.Tensor) -> int:
+        """A leaf index for ``table`` (a small constant the program carries: an extra leaf past the cone's)."""
+        leaf = Leaf(table.dtype, tuple(table.shape), (1,), tuple(table.tolist()))
+        if leaf not in self.extra_leaves:
+            self.extra_leaves.append(leaf)
+        return len(self.cone.leaves) + self.extra_leaves.index(leaf)
 
     def _leaf_read_at_k(self, r: Ref, rows: int) -> int | None:
         """The leaf whose element k ``r`` is, if a 1-D integer leaf of K entries read through casts that keep
@@ -574,7 +648,7 @@ def _analyse(cone: Cone, sorted_gathers: bool = False) -> tuple[DecodeProgram, d
         for a in ins.args:
             if isinstance(a, sympy.Basic) and not a.free_symbols <= {B, K, N}:
                 raise Unsupported(f"a {ins.op} at {a}: arithmetic on a gathered index")
-    prog = DecodeProgram(leaves, b.instrs, out.i, Kdim, Ndim, batch)
+    prog = DecodeProgram(leaves + b.extra_leaves, b.instrs, out.i, Kdim, Ndim, batch)
     return _prune(prog), b.sorted_leaves
 
 

@@ -79,7 +79,7 @@ def recognize(prog: DecodeProgram, leaf_values: dict | None = None) -> Format:
     leaf_values: known values of constant leaves by index (lookup tables captured as constants), used
     to confirm an E2M1 table; without them a 16-entry table is taken at its word."""
     try:
-        return _Recognizer(prog, leaf_values or {}).run()
+        return _Recognizer(prog, {**prog.embedded_values(), **(leaf_values or {})}).run()
     except _NotRecognized:
         return GENERIC
 

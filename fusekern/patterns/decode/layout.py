@@ -142,7 +142,7 @@ def _scale_value(s: torch.Tensor, enc: str) -> torch.Tensor:
 
 def derive_layout(prog: DecodeProgram, fmt: Format, leaf_values: dict | None = None) -> PackedLayout | None:
     """The packed layout the hand-tuned kernels use for ``prog``, or None (the generated kernel then)."""
-    leaf_values = leaf_values or {}
+    leaf_values = {**prog.embedded_values(), **(leaf_values or {})}
     if fmt is GENERIC or fmt.name in ("generic", "lut", "lut4") or prog.batch:
         return None
     if fmt.pack_axis not in (None, "K", "N") or fmt.bits is None:

@@ -140,6 +140,11 @@ class DecodeProgram:
         return {ins.args[0] for ins in self.instrs
                 if ins.op == "load" and any(isinstance(a, Ref) for a in ins.args[1:])}
 
+    def embedded_values(self) -> dict[int, torch.Tensor]:
+        """The values of the leaves the program carries (``Leaf.values``), as CPU tensors by leaf index."""
+        return {i: torch.tensor(leaf.values, dtype=torch.float64 if leaf.dtype.is_floating_point else torch.int64)
+                .to(leaf.dtype).reshape(leaf.shape) for i, leaf in enumerate(self.leaves) if leaf.values is not None}
+
     def row_gathers(self) -> set[int]:
         """Leaves of more than one dim read at a data-dependent index (``scales[g_idx]``, ``w[:, order]``): rows
         or columns gathered by data, not a lookup table."""
@@ -208,7 +213,10 @@ class DecodeProgram:
 
     # -- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, leaves: Sequence[torch.Tensor], *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole decoded weight, computed with the kernel's semantics (see the module doc)."""
+        """The whole decoded weight, computed with the kernel's semantics (see the module doc). ``leaves``: every
+        leaf, or only ``inputs`` (the constants the program carries are added, as ``bind`` does)."""
+        if len(leaves) != len(self.leaves) and len(leaves):
+            leaves = self.bind(leaves, leaves[0].device)
         return evaluate(self, leaves, out_dtype=out_dtype)
 
     def evaluate_at(self, leaves: Sequence[torch.Tensor], out: int, window: dict) -> torch.Tensor:

@@ -108,9 +108,11 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
     else:
         bias, act = None, mm.args[0]
     constants = _constants(graph, cone)
-    fmt = recognize(prog, constants)
-    layout = derive_layout(prog, fmt, constants)
-    guarded = _guarded_variant(cone, prog, constants) if layout is None else None
+    # what recognition may take as known: the graph's constants and the small tables the analysis folded
+    known = {**constants, **prog.embedded_values()}
+    fmt = recognize(prog, known)
+    layout = derive_layout(prog, fmt, known)
+    guarded = _guarded_variant(cone, prog, known) if layout is None else None
     if layout is None and guarded is None and prog.row_gathers():
         # Measured on the H100 (8192 x 8192, M = 1, CUDA graphs; benchmarks/results/h100/decode_mm_g_idx.csv):
         # act-order GPTQ 173 µs against stock's 145, AutoAWQ's column reorder 327 against 170.
