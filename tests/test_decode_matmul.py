@@ -695,3 +695,4 @@ def test_autoawq_reorder_folds_into_awqs_packed_layout(monkeypatch):
     monkeypatch.setattr(dm.pm, "packed_mm", lambda *a, **k: packed.append(1) or real(*a, **k))
     got = dm._decode_mm_cuda(x.to(DEVICE), [t.to(DEVICE) for t in leaves], program, None, layout)
     assert packed and rel_err(got.cpu(), case.fn(x.double(), *ws).double()) <= TOL[torch.bfloat16]
+

@@ -372,6 +372,8 @@ class _Builder:
         except (IndexError, RuntimeError, ValueError):
             return None
         values = torch.where(values < 0, values + size, values)
+        if bool(((values < 0) | (values >= size)).any()):
+            return None  # eager raises there: keep the clamped gather
         pos = torch.arange(extent)
         for period in (2, 4, 8, 16, 32, 64):
             if extent % period:
