@@ -696,3 +696,17 @@ def test_autoawq_reorder_folds_into_awqs_packed_layout(monkeypatch):
     got = dm._decode_mm_cuda(x.to(DEVICE), [t.to(DEVICE) for t in leaves], program, None, layout)
     assert packed and rel_err(got.cpu(), case.fn(x.double(), *ws).double()) <= TOL[torch.bfloat16]
 
+
+
+def test_an_identity_order_folds_to_nothing():
+    """``w[:, arange(N)]`` (a no-op reorder) folds to the plain column index: no table is carried, and the
+    format is the one the decode has without it."""
+    def fn(x, w, s):
+        return F.linear(x, w[:, torch.arange(w.shape[1])].to(x.dtype) * s[:, None])
+
+    args = (torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(-128, 128, (16, 64), dtype=torch.int8),
+            torch.rand(16, dtype=torch.bfloat16) + 0.5)
+    text, _, _ = decode_program(fn, *args)
+    prog = DecodeProgram.from_text(text)
+    assert not prog.embedded_values() and not prog.lookups() and recognize(prog).name == "int8"
+    assert_compiled(fn, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)

@@ -364,7 +364,9 @@ class _Builder:
         from fusekern.patterns.decode.program import evaluate
 
         leaves = [Leaf(v.dtype, tuple(v.shape), tuple(v.stride())) for v in (_val(n) for n in self.cone.leaves)]
-        tensors = [known.get(i, torch.zeros(leaf.shape, dtype=leaf.dtype)) for i, leaf in enumerate(leaves)]
+        # (leaves the walk does not read are never loaded: a zero-strided stand-in, not a copy of their size)
+        tensors = [known[i] if i in known else torch.zeros((), dtype=leaf.dtype).expand(leaf.shape)
+                   for i, leaf in enumerate(leaves)]
         window = {"k": range(extent) if at == K else [0], "n": range(extent) if at == N else [0], "b": 0}
         try:
             values = evaluate(DecodeProgram(leaves, list(self.instrs), r.i, self.ranges[K], self.ranges[N]), tensors,
@@ -381,6 +383,8 @@ class _Builder:
             table = values[:period]
             if bool((table >= 0).all()) and bool((table < period).all()) \
                     and torch.equal(values, period * (pos // period) + table[pos % period]):
+                if torch.equal(table, torch.arange(period)):
+                    return at  # the identity order: nothing to carry
                 leaf = self._embed(table.to(torch.int32))
                 t = self.emit("load", (leaf, self.simplify(sympy.Mod(at, period))), torch.int32)
                 sym = sympy.Symbol(f"g{t.i}", integer=True, nonnegative=True)
@@ -390,12 +394,14 @@ class _Builder:
         return None
 
     def _known_leaves(self) -> dict[int, torch.Tensor]:
-        """Values of the cone's leaves that are constants of the graph (get_attr), by leaf index."""
+        """Values of the cone's leaves that are constants of the graph (get_attr), by leaf index. Parameters that
+        inductor's freezing made constants are left out: its FX graph cache keys them by metadata, so a program
+        folded from their values could be loaded for a model whose values differ."""
         gm = self.cone.matmul.graph.owning_module
         out = {}
         for i, n in enumerate(self.cone.leaves):
             v = getattr(gm, n.target, None) if n.op == "get_attr" and gm is not None else None
-            if isinstance(v, torch.Tensor) and v.numel() <= 1 << 16:
+            if isinstance(v, torch.Tensor) and v.numel() <= 1 << 16 and not getattr(v, "_is_frozen_param", False):
                 out[i] = v.detach().cpu()
         return out
 
