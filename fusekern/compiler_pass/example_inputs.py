@@ -67,7 +67,7 @@ def digest(inputs: Sequence[Any]) -> str:
     the cache."""
     import hashlib
 
-    from fusekern.kernels.layout_guard import is_sorted
+    from fusekern.kernels.layout_guard import holds
 
     features = []
     for i, t in enumerate(inputs):
@@ -85,7 +85,7 @@ def digest(inputs: Sequence[Any]) -> str:
             else:
                 top = int(flat.max())
                 if top >= 0 and n % (top + 1) == 0:
-                    features.append((i, is_sorted(flat, n // (top + 1))))
+                    features.append((i, holds(flat, "groups", n // (top + 1))))
         except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass or layout without values here
             features.append((i, "opaque"))
     return hashlib.sha256(repr(features).encode()).hexdigest()[:16] if features else ""

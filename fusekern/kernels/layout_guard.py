@@ -56,19 +56,19 @@ def _parse(layout: str) -> tuple[str, str, tuple]:
     return doc["program"], doc["layout"], checks
 
 
-def is_sorted(index: torch.Tensor, group: int) -> bool:
-    """Is ``index`` (a [K] integer tensor) ``arange(K) // group``? One comparison where it lives."""
-    flat = index.reshape(-1)
-    want = torch.arange(flat.numel(), device=flat.device) // group
-    return bool(torch.equal(flat.to(torch.int64), want))
+def expected(kind: str, param, numel: int, device="cpu") -> torch.Tensor:
+    """What a check asks a leaf of ``numel`` entries to hold, flattened, as int64: ``arange(numel) // G`` for
+    ``("groups", G)``, the listed values for ``("values", [...])``."""
+    if kind == "groups":
+        return torch.arange(numel, device=device) // param
+    return torch.tensor(param, dtype=torch.int64, device=device)
 
 
 def holds(t: torch.Tensor, kind: str, param) -> bool:
-    if kind == "groups":
-        return is_sorted(t, param)
+    """Does ``t`` pass the check? One comparison where it lives."""
     flat = t.reshape(-1)
-    return flat.numel() == len(param) and bool(torch.equal(flat.to(torch.int64),
-                                                           torch.tensor(param, device=flat.device)))
+    want = expected(kind, param, flat.numel(), flat.device)
+    return flat.numel() == want.numel() and bool(torch.equal(flat.to(torch.int64), want))
 
 
 _CHECKED = LeafCache()  # (guarded layout, versions) per set of checked leaves -> whether they pass

@@ -88,6 +88,15 @@ def _static_shape(v: torch.Tensor, what: str) -> tuple[int, ...]:
     return sizes
 
 
+def graph_constant(node: Node) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` leaf names in its graph's module (a constant of the graph), else None."""
+    gm = node.graph.owning_module
+    if node.op != "get_attr" or gm is None:
+        return None
+    v = getattr(gm, node.target, None)
+    return v if isinstance(v, torch.Tensor) else None
+
+
 # ----------------------------------------------------------------------------- the cone
 
 @dataclass
@@ -345,7 +354,7 @@ class _Builder:
         if at not in (K, N) or at not in self.ranges:
             return None
         extent = self.ranges[at]
-        known = self._known_leaves()
+        known = self._known_leaves
         cone, stack = set(), [r.i]
         while stack:  # r may read constants, index expressions in ``at`` and arithmetic only
             i = stack.pop()
@@ -381,8 +390,7 @@ class _Builder:
             if extent % period:
                 break
             table = values[:period]
-            if bool((table >= 0).all()) and bool((table < period).all()) \
-                    and torch.equal(values, period * (pos // period) + table[pos % period]):
+            if bool((table < period).all()) and torch.equal(values, period * (pos // period) + table[pos % period]):
                 if torch.equal(table, torch.arange(period)):
                     return at  # the identity order: nothing to carry
                 leaf = self._embed(table.to(torch.int32))
@@ -393,15 +401,15 @@ class _Builder:
                 return period * FloorDiv(at, period) + sym
         return None
 
+    @functools.cached_property
     def _known_leaves(self) -> dict[int, torch.Tensor]:
         """Values of the cone's leaves that are constants of the graph (get_attr), by leaf index. Parameters that
         inductor's freezing made constants are left out: its FX graph cache keys them by metadata, so a program
         folded from their values could be loaded for a model whose values differ."""
-        gm = self.cone.matmul.graph.owning_module
         out = {}
         for i, n in enumerate(self.cone.leaves):
-            v = getattr(gm, n.target, None) if n.op == "get_attr" and gm is not None else None
-            if isinstance(v, torch.Tensor) and v.numel() <= 1 << 16 and not getattr(v, "_is_frozen_param", False):
+            v = graph_constant(n)
+            if v is not None and v.numel() <= 1 << 16 and not getattr(v, "_is_frozen_param", False):
                 out[i] = v.detach().cpu()
         return out
 

@@ -175,8 +175,7 @@ def derive_layout(prog: DecodeProgram, fmt: Format, leaf_values: dict | None = N
     else:
         return None
     used = {code} | {roles[r] for r in ("scale", "zero", "global", "table") if r in roles}
-    read = {ins.args[0] for ins in prog.instrs if ins.op == "load"}  # (a leaf it does not read cannot matter)
-    if any(i not in used and i not in leaf_values for i in read):
+    if any(i not in used and i not in leaf_values for i in prog.read_leaves()):  # (unread leaves cannot matter)
         return None  # the program reads data the layout does not model
     gk, gn = (fmt.group_k or 1), (fmt.group_n or 1)
     if fmt.scale == "channel":

@@ -135,6 +135,10 @@ class DecodeProgram:
         """Indices of the leaves passed to the op (all but the embedded constants)."""
         return [i for i, l in enumerate(self.leaves) if l.values is None]
 
+    def read_leaves(self) -> set[int]:
+        """Indices of the leaves some instruction loads (pruning can leave a leaf unread)."""
+        return {ins.args[0] for ins in self.instrs if ins.op == "load"}
+
     def lookups(self) -> set[int]:
         """Leaves read at an index computed from data (lookup tables: E2M1 values indexed by the codes)."""
         return {ins.args[0] for ins in self.instrs

@@ -17,7 +17,7 @@ from fusekern.kernels import decode_mm as kernel
 from fusekern.compiler_pass import example_inputs
 from fusekern.kernels import device_info, layout_guard
 from fusekern.patterns.decode.analysis import (
-    CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, weight_operand,
+    CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, graph_constant, weight_operand,
 )
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.layout import derive_layout, edge_window, random_leaves
@@ -89,15 +89,13 @@ def plan(mm: Node) -> tuple[Cone, DecodeProgram]:
     return cone, prog
 
 
-def _constants(graph: Graph, cone: Cone) -> dict:
+def _constants(cone: Cone) -> dict:
     """Values of the leaves that are constants of the graph (lookup tables, shift tables)."""
     out = {}
-    gm = graph.owning_module
     for i, leaf in enumerate(cone.leaves):
-        if leaf.op == "get_attr" and gm is not None:
-            v = getattr(gm, leaf.target, None)
-            if isinstance(v, torch.Tensor) and v.numel() <= 256:
-                out[i] = v.detach().cpu()
+        v = graph_constant(leaf)
+        if v is not None and v.numel() <= 256:
+            out[i] = v.detach().cpu()
     return out
 
 
@@ -107,7 +105,7 @@ def _replace(graph: Graph, cone: Cone, prog: DecodeProgram) -> str:
         bias, act = mm.args[0], mm.args[1]
     else:
         bias, act = None, mm.args[0]
-    constants = _constants(graph, cone)
+    constants = _constants(cone)
     # what recognition may take as known: the graph's constants and the small tables the analysis folded
     known = {**constants, **prog.embedded_values()}
     fmt = recognize(prog, known)
@@ -211,13 +209,11 @@ def _guarded_variant(cone: Cone, prog: DecodeProgram, constants: dict):
     checks = {**checks, **{i: ("values", tuple(v)) for i, v in assumed.items()}}
     if not _same_weight(prog, base, layout, checks, constants):
         return None
-    gm = cone.matmul.graph.owning_module
     for i in list(checks):  # constants of the graph (of any size: a copy reaches the op afresh every call)
-        leaf = cone.leaves[i]
         value = constants.get(i)
-        if value is None and leaf.op == "get_attr" and gm is not None:
-            value = getattr(gm, leaf.target, None)
-        if isinstance(value, torch.Tensor):
+        if value is None:
+            value = graph_constant(cone.leaves[i])
+        if value is not None:
             kind, param = checks.pop(i)
             if not layout_guard.holds(value.detach().cpu(), kind, param):
                 return None
@@ -238,8 +234,7 @@ def _same_weight(prog: DecodeProgram, base: DecodeProgram, layout, checks: dict,
         fixed = dict(constants)
         for i, (kind, param) in checks.items():
             leaf = prog.leaves[i]
-            want = torch.arange(leaf.numel) // param if kind == "groups" else torch.tensor(param)
-            fixed[i] = want.to(leaf.dtype).reshape(leaf.shape)
+            fixed[i] = layout_guard.expected(kind, param, leaf.numel).to(leaf.dtype).reshape(leaf.shape)
         leaves = random_leaves(prog, layout, fixed, torch.Generator().manual_seed(seed))
         window = {"k": edge_window(prog.K, 512, 64), "n": edge_window(prog.N, 64, 32), "b": 0}
         try:
@@ -254,8 +249,7 @@ def _same_weight(prog: DecodeProgram, base: DecodeProgram, layout, checks: dict,
 
 def _small_int_leaves(prog: DecodeProgram, constants: dict) -> list[int]:
     """Leaves that could be shift tables: integer, at most 64 entries, read, not constants of the graph."""
-    read = {ins.args[0] for ins in prog.instrs if ins.op == "load"}
-    return [i for i in sorted(read) if i not in constants and prog.leaves[i].numel <= 64
+    return [i for i in sorted(prog.read_leaves()) if i not in constants and prog.leaves[i].numel <= 64
             and prog.leaves[i].dtype in (torch.int16, torch.int32, torch.int64, torch.uint8)]
 
 
