@@ -11,9 +11,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from fusekern.testing.triton_interpreter import patch_bf16_support
+    from fusekern.testing.triton_interpreter import patch_bf16_support, patch_fast_sort, patch_nested_calls
 
     patch_bf16_support()
+    patch_fast_sort()
+    patch_nested_calls()
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -64,3 +64,126 @@ def patch_bf16_support() -> bool:
     builder_cls.cast_impl = cast_impl
     builder_cls.create_dot = create_dot
     return True
+
+
+# Triton's own tl.sort / tl.topk, kept by patch_fast_sort (tests compare against them)
+ORIGINAL_SORT: dict = {}
+
+
+@functools.cache
+def patch_fast_sort() -> bool:
+    """Run ``tl.sort`` / ``tl.topk`` in the interpreter with numpy's sort instead of Triton's bitonic network.
+
+    The interpreter executes the network op by op, with an element-by-element Python loop for each
+    ``xor_sum`` inside it: one sort of a 1024-wide block took seconds, and the sampler's tests spent
+    most of their time there (a CI run over its time limit). The values a sort returns are unique
+    wherever no two values compare equal with different bits, so numpy's sort gives the network's exact
+    result there. It does not where floats hold NaN or -0.0 (the network places them by position) or
+    for bf16 (the interpreter keeps its raw bits, whose integer order is not the float order): those
+    calls run the original network. Only the interpreter is touched; compiled kernels never see this.
+    Returns False when Triton has no interpreter (nothing patched).
+    """
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    if not isinstance(tl.sort, interp.InterpretedFunction) or not isinstance(tl.topk, interp.InterpretedFunction):
+        return False  # not interpreting (Triton imported before TRITON_INTERPRET was set)
+    orig_sort, orig_topk = tl.sort, tl.topk
+    ORIGINAL_SORT.update(sort=orig_sort, topk=orig_topk)
+    unwrap = tl.core._unwrap_if_constexpr
+
+    def numpy_sortable(x):
+        scalar = x.dtype.scalar if hasattr(x.dtype, "scalar") else x.dtype
+        if scalar == tl.bfloat16 or not x.type.is_block():
+            return None
+        data = x.handle.data
+        if scalar.is_floating() and (np.isnan(data).any() or (np.signbit(data) & (data == 0)).any()):
+            return None
+        return data
+
+    def last_dim(x, dim):
+        dim = unwrap(dim)
+        last = len(x.shape) - 1
+        if dim is not None and dim not in (last, -1):
+            return None  # Triton refuses it: let the original say so
+        return last
+
+    def wrap(x, data):
+        scalar = x.dtype.scalar if hasattr(x.dtype, "scalar") else x.dtype
+        ty = tl.core.block_type(scalar, list(data.shape))
+        return tl.core.tensor(interp.TensorHandle(np.ascontiguousarray(data), scalar), ty)
+
+    def sort(x, dim=None, descending=tl.core.CONSTEXPR_0):
+        data = numpy_sortable(x)
+        if data is None or last_dim(x, dim) is None:
+            return orig_sort(x, dim=dim, descending=descending)
+        out = np.sort(data, axis=-1)
+        return wrap(x, out[..., ::-1] if unwrap(descending) else out)
+
+    def topk(x, k, dim=None, descending=True):
+        data, kk = numpy_sortable(x), unwrap(k)
+        if data is None or last_dim(x, dim) is None or not unwrap(descending) or not isinstance(kk, int) \
+                or kk <= 0 or kk & (kk - 1) or kk > data.shape[-1]:
+            return orig_topk(x, k, dim=dim) if unwrap(descending) else orig_topk(x, k, dim=dim, descending=descending)
+        return wrap(x, np.sort(data, axis=-1)[..., ::-1][..., :kk])
+
+    for module in (tl, tl.standard):
+        module.sort, module.topk = sort, topk
+    tl.tensor.sort = lambda self, dim=None, descending=tl.core.CONSTEXPR_0: sort(self, dim, descending)
+    tl.tensor.topk = lambda self, k, dim=None, descending=True: topk(self, k, dim, descending)
+    return True
+
+
+@functools.cache
+def patch_nested_calls() -> bool:
+    """Skip the interpreter's re-patching of ``triton.language`` on every call of a @triton.jit helper.
+
+    A kernel launch patches the language modules its globals hold (``_patch_lang``) and restores them
+    when it ends; each call of a helper function inside it patches them again (a walk of every member
+    of ``tl``, ``tl.tensor`` and ``tl.math``), with the same interpreter builder, and drops what it
+    saved. Where the launch running now has already patched every module the helper sees, that call
+    changes nothing, so it is skipped; a helper that sees another module is patched as before. This was
+    a third of the sampler kernel's interpreted time. Returns False where Triton's interpreter is not
+    laid out as expected (nothing patched).
+    """
+    import inspect
+    import threading
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    orig_patch, executor = getattr(interp, "_patch_lang", None), getattr(interp, "GridExecutor", None)
+    if orig_patch is None or executor is None or not hasattr(interp, "_LangPatchScope"):
+        return False
+    orig_call = executor.__call__
+    state = threading.local()
+
+    def langs_of(fn):
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        patched = getattr(state, "patched", None)
+        if patched is None:  # outside a launch: as before
+            return orig_patch(fn)
+        langs = langs_of(fn)
+        if langs <= patched:
+            return interp._LangPatchScope()  # nothing to restore: callers of a helper drop it anyway
+        state.patched = patched | langs
+        return orig_patch(fn)
+
+    def call(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = frozenset() if outer is None else outer
+        try:
+            return orig_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    interp._patch_lang = patch_lang
+    executor.__call__ = call
+    return True

@@ -1,0 +1,83 @@
+"""The interpreter speed-ups (fusekern.testing.triton_interpreter) compute what Triton's interpreter computes.
+
+numpy's sort stands in for Triton's bitonic network in ``tl.sort`` / ``tl.topk``: checked here bit for bit
+against the network itself on ties, infinities and every dtype, and on the inputs the stand-in hands back
+to the network (NaN, -0.0). bf16 goes to the network too, untested here: the interpreter's network fails on
+bf16 (a reshape of its raw bits), as it did before the stand-in.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fusekern.testing import triton_interpreter as ti
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks Triton's CPU interpreter")
+
+
+@triton.jit
+def _sort_kernel(x_ptr, asc_ptr, desc_ptr, top_ptr, N: tl.constexpr, K: tl.constexpr):
+    rows = tl.arange(0, 2)[:, None]
+    cols = tl.arange(0, N)[None, :]
+    x = tl.load(x_ptr + rows * N + cols)
+    tl.store(asc_ptr + rows * N + cols, tl.sort(x))
+    tl.store(desc_ptr + rows * N + cols, x.sort(descending=True))  # the member form
+    tl.store(top_ptr + rows * K + tl.arange(0, K)[None, :], tl.topk(x, K))
+
+
+def _run(x, k):
+    asc, desc = torch.empty_like(x).fill_(7), torch.empty_like(x).fill_(7)  # poisoned
+    top = torch.full((2, k), 7, dtype=x.dtype)
+    _sort_kernel[(1,)](x, asc, desc, top, N=x.shape[1], K=k)
+    return asc, desc, top
+
+
+def _as_network(monkeypatch):
+    for module in (tl, tl.standard):
+        monkeypatch.setattr(module, "sort", ti.ORIGINAL_SORT["sort"])
+        monkeypatch.setattr(module, "topk", ti.ORIGINAL_SORT["topk"])
+    monkeypatch.setattr(tl.tensor, "sort", lambda self, dim=None, descending=tl.core.CONSTEXPR_0:
+                        ti.ORIGINAL_SORT["sort"](self, dim=dim, descending=descending))
+
+
+def _inputs(kind, n):
+    g = torch.Generator().manual_seed(n)
+    if kind == "int64 ties":
+        return torch.randint(-5, 5, (2, n), generator=g, dtype=torch.int64) << 40
+    x = torch.randn(2, n, generator=g)
+    m = x[:, 1::3].shape[1]
+    x[:, 0:3 * m:3] = x[:, 1::3]  # ties
+    x[0, 5], x[1, 2] = float("-inf"), float("inf")
+    if kind == "nan":
+        x[0, 7] = float("nan")
+    if kind == "signed zeros":
+        x[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    return x.half() if kind == "float16" else x
+
+
+@pytest.mark.parametrize("kind", ["int64 ties", "float32", "float16", "nan", "signed zeros"])
+@pytest.mark.parametrize("n,k", [(16, 4), (64, 64), (128, 8)])
+def test_fast_sort_matches_the_bitonic_network(kind, n, k, monkeypatch):
+    assert ti.patch_fast_sort()
+    x = _inputs(kind, n)
+    fast = _run(x, k)
+    with monkeypatch.context() as m:
+        _as_network(m)
+        network = _run(x, k)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    for a, b in zip(fast, network):
+        assert torch.equal(a.view(bits), b.view(bits))  # bit for bit: -0.0 and NaN placed as the network does
+    if kind in ("int64 ties", "float32", "float16"):  # a sort, not just the network's twin
+        ref = np.sort(x.float().numpy() if kind != "int64 ties" else x.numpy(), axis=-1)
+        assert np.array_equal(fast[0].float().numpy() if kind != "int64 ties" else fast[0].numpy(), ref)
+
+
+def test_launches_still_restore_the_language():
+    """Skipping helpers' re-patching leaves a launch's own patch and restore as they were."""
+    assert ti.patch_nested_calls()
+    before = tl.sum
+    _run(_inputs("float32", 16), 4)
+    assert tl.sum is before
