@@ -19,6 +19,11 @@ if not HAS_CUDA:
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # one pytest-xdist worker per core: torch's and inductor's CPU kernels would each start a thread per
+    # core on top (OpenMP threads spinning against the other workers)
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
