@@ -16,13 +16,12 @@ if not HAS_CUDA:
     patch_bf16_support()
     patch_fast_sort()
     patch_nested_calls()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one pytest-xdist worker per core: torch's and inductor's CPU kernels would each start a thread per
+        # core on top (OpenMP threads spinning against the other workers)
+        torch.set_num_threads(1)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
-    # one pytest-xdist worker per core: torch's and inductor's CPU kernels would each start a thread per
-    # core on top (OpenMP threads spinning against the other workers)
-    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

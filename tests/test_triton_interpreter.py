@@ -2,8 +2,8 @@
 
 numpy's sort stands in for Triton's bitonic network in ``tl.sort`` / ``tl.topk``: checked here bit for bit
 against the network itself on ties, infinities and every dtype, and on the inputs the stand-in hands back
-to the network (NaN, -0.0). bf16 goes to the network too, untested here: the interpreter's network fails on
-bf16 (a reshape of its raw bits), as it did before the stand-in.
+to the network (NaN, -0.0, fp8). The interpreter keeps fp8 and bf16 as raw bits: its network orders fp8 by
+the bits (not a float sort, as before the stand-in) and fails on bf16 (a reshape), so neither is checked as a sort.
 """
 import os
 
@@ -55,10 +55,12 @@ def _inputs(kind, n):
         x[0, 7] = float("nan")
     if kind == "signed zeros":
         x[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    if kind == "float8":
+        return x.clamp(-400, 400).to(torch.float8_e4m3fn)
     return x.half() if kind == "float16" else x
 
 
-@pytest.mark.parametrize("kind", ["int64 ties", "float32", "float16", "nan", "signed zeros"])
+@pytest.mark.parametrize("kind", ["int64 ties", "float32", "float16", "float8", "nan", "signed zeros"])
 @pytest.mark.parametrize("n,k", [(16, 4), (64, 64), (128, 8)])
 def test_fast_sort_matches_the_bitonic_network(kind, n, k, monkeypatch):
     assert ti.patch_fast_sort()
@@ -67,7 +69,7 @@ def test_fast_sort_matches_the_bitonic_network(kind, n, k, monkeypatch):
     with monkeypatch.context() as m:
         _as_network(m)
         network = _run(x, k)
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     for a, b in zip(fast, network):
         assert torch.equal(a.view(bits), b.view(bits))  # bit for bit: -0.0 and NaN placed as the network does
     if kind in ("int64 ties", "float32", "float16"):  # a sort, not just the network's twin

@@ -79,8 +79,8 @@ def patch_fast_sort() -> bool:
     most of their time there (a CI run over its time limit). The values a sort returns are unique
     wherever no two values compare equal with different bits, so numpy's sort gives the network's exact
     result there. It does not where floats hold NaN or -0.0 (the network places them by position) or
-    for bf16 (the interpreter keeps its raw bits, whose integer order is not the float order): those
-    calls run the original network. Only the interpreter is touched; compiled kernels never see this.
+    where the interpreter keeps a float type as raw bits (bf16, the fp8 types: their integer order is not
+    the float order): those calls run the original network. Only the interpreter is touched; compiled kernels never see this.
     Returns False when Triton has no interpreter (nothing patched).
     """
     try:
@@ -96,11 +96,11 @@ def patch_fast_sort() -> bool:
     unwrap = tl.core._unwrap_if_constexpr
 
     def numpy_sortable(x):
-        scalar = x.dtype.scalar if hasattr(x.dtype, "scalar") else x.dtype
-        if scalar == tl.bfloat16 or not x.type.is_block():
+        if not x.type.is_block():
             return None
         data = x.handle.data
-        if scalar.is_floating() and (np.isnan(data).any() or (np.signbit(data) & (data == 0)).any()):
+        if x.dtype.is_floating() and (data.dtype.kind != "f" or np.isnan(data).any()
+                                      or (np.signbit(data) & (data == 0)).any()):
             return None
         return data
 
@@ -112,9 +112,8 @@ def patch_fast_sort() -> bool:
         return last
 
     def wrap(x, data):
-        scalar = x.dtype.scalar if hasattr(x.dtype, "scalar") else x.dtype
-        ty = tl.core.block_type(scalar, list(data.shape))
-        return tl.core.tensor(interp.TensorHandle(np.ascontiguousarray(data), scalar), ty)
+        ty = tl.core.block_type(x.dtype, list(data.shape))
+        return tl.core.tensor(interp.TensorHandle(np.ascontiguousarray(data), x.dtype), ty)
 
     def sort(x, dim=None, descending=tl.core.CONSTEXPR_0):
         data = numpy_sortable(x)
@@ -127,6 +126,7 @@ def patch_fast_sort() -> bool:
         data, kk = numpy_sortable(x), unwrap(k)
         if data is None or last_dim(x, dim) is None or not unwrap(descending) or not isinstance(kk, int) \
                 or kk <= 0 or kk & (kk - 1) or kk > data.shape[-1]:
+            # (Triton 3.6's topk has no ``descending``)
             return orig_topk(x, k, dim=dim) if unwrap(descending) else orig_topk(x, k, dim=dim, descending=descending)
         return wrap(x, np.sort(data, axis=-1)[..., ::-1][..., :kk])
 
