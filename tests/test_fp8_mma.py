@@ -82,6 +82,13 @@ def test_extreme_activations():
                 assert not got[m].any()
                 continue
             assert torch.isfinite(got[m]).all(), m
+            if m == 2:
+                # every output of this row is a bf16 subnormal, whose spacing is 2**-133 (3% of these values):
+                # the output's own rounding exceeds TOL, so each value must be within one spacing of the exact one
+                assert 0 < want[m].abs().max() < 2.0 ** -126, m
+                err = (got[m].double() - want[m].double()).abs().max().item()
+                assert err <= 2.0 ** -133, (m, err)
+                continue
             assert rel_err(got[m].float(), want[m].float()) < TOL, (m, rel_err(got[m].float(), want[m].float()))
 
 
