@@ -39,6 +39,7 @@ from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.kernels.split_k import add_partials
+from fusekern.patterns.decode.formats import AWQ_ORDER
 from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
 # float bits of 2**23: OR-ing an integer < 2**23 into the mantissa gives the float 2**23 + it
@@ -972,7 +973,6 @@ def packed_mm_reference(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: i
 # ----------------------------------------------------------------------------- builds for the report
 
 _SEQ8 = tuple(range(8))
-_AWQ = (0, 4, 1, 5, 2, 6, 3, 7)
 # The layouts ``derive_layout`` finds for these zoo formats (tests/test_packed_mm.py derives them all),
 # with the leaf pointer types the kernels see (fp8 leaves are passed as bytes).
 REPORT_LAYOUTS = {
@@ -980,8 +980,8 @@ REPORT_LAYOUTS = {
                           ("k", "n"), 8, _SEQ8), ("*i32", "*bf16", "*i32")),
     "int4_k_stack": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "uint", 1, ("n", "k"), "float", 128, 1, "int", 2,
                                   ("n", "k")), ("*u8", "*bf16", "*u8")),
-    "awq": (PackedLayout(0, ("k", "n"), 4, 8, "N", _AWQ, "uint", 2, ("k", "n"), "float", 128, 1, "packed", 1,
-                         ("k", "n"), 8, _AWQ), ("*i32", "*bf16", "*i32")),
+    "awq": (PackedLayout(0, ("k", "n"), 4, 8, "N", AWQ_ORDER, "uint", 2, ("k", "n"), "float", 128, 1, "packed", 1,
+                         ("k", "n"), 8, AWQ_ORDER), ("*i32", "*bf16", "*i32")),
     "mxfp4": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "e2m1", 1, ("n", "k"), "e8m0", 32, 1),
               ("*u8", "*u8", "*u8")),
     "nvfp4": (PackedLayout(0, ("n", "k"), 4, 2, "K", (0, 1), "e2m1", 1, ("n", "k"), "fp8", 16, 1, glob=2),

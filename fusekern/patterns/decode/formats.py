@@ -20,6 +20,8 @@ import torch
 
 from fusekern.patterns.decode.program import FP8_DTYPES, MAX_TABLE, DecodeProgram, Ref, is_int
 
+# AWQ's packing: field j of a 32-bit word (the j-th of 8 consecutive columns) sits at bits [4 AWQ_ORDER[j], +4)
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 

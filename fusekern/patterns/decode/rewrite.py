@@ -19,7 +19,7 @@ from fusekern.kernels import device_info, layout_guard
 from fusekern.patterns.decode.analysis import (
     CODE_DTYPES, Cone, Unsupported, analyse, analyse_sorted, ancestors, find_cone, graph_constant, weight_operand,
 )
-from fusekern.patterns.decode.formats import recognize
+from fusekern.patterns.decode.formats import AWQ_ORDER, recognize
 from fusekern.patterns.decode.layout import derive_layout, edge_window, random_leaves
 from fusekern.patterns.decode.program import FP8_DTYPES, MAX_TABLE, DecodeProgram
 
@@ -253,13 +253,10 @@ def _small_int_leaves(prog: DecodeProgram, constants: dict) -> list[int]:
             and prog.leaves[i].dtype in (torch.int16, torch.int32, torch.int64, torch.uint8)]
 
 
-AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
-
-
 def _shift_tables(P: int) -> list[tuple[int, ...]]:
     """Shift tables of P fields in a word: sequential fields of 32 / 16 / 8-bit words, and AWQ's order."""
     out = [tuple(j * (w // P) for j in range(P)) for w in (32, 16, 8) if w % P == 0 and w // P >= 2]
-    return out + [AWQ_SHIFTS] if P == 8 else out
+    return out + [tuple(4 * j for j in AWQ_ORDER)] if P == 8 else out
 
 
 def rewrite_decode_matmuls(graph: Graph) -> int:
