@@ -83,3 +83,31 @@ def test_launches_still_restore_the_language():
     before = tl.sum
     _run(_inputs("float32", 16), 4)
     assert tl.sum is before
+
+
+@triton.jit
+def _bf16_casts_kernel(x_ptr, f_ptr, h_ptr, i_ptr, r_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(x_ptr + o)
+    tl.store(f_ptr + o, x.to(tl.float32))
+    tl.store(h_ptr + o, x.to(tl.float16))
+    tl.store(i_ptr + o, x.to(tl.int32))
+    tl.store(r_ptr + o, (x.to(tl.float32) * 1.0078125).to(tl.bfloat16))  # fp32 -> bf16, rounded to nearest even
+
+
+def test_bf16_casts_match_torch():
+    """bf16 -> fp32 / fp16 / int32 and fp32 -> bf16 as torch (and the GPU) compute them, subnormals included: the
+    interpreter's own bf16 -> fp32 read 1e-39 as 4.4e-39 (fp8_mma's subnormal test could not run on CPU)."""
+    assert ti.patch_bf16_support()
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(56, generator=g) * 10.0 ** torch.randint(-45, 38, (56,), generator=g),
+                   torch.tensor([1e-39, -3e-40, 9.2e-41, -0.0, 0.0, float("inf"), float("-inf"), 65504.0])])
+    x = x.to(torch.bfloat16)
+    f, h = torch.full((64,), 7.0), torch.full((64,), 7.0, dtype=torch.float16)  # poisoned
+    i, r = torch.full((64,), 7, dtype=torch.int32), torch.full((64,), 7.0, dtype=torch.bfloat16)
+    _bf16_casts_kernel[(1,)](x, f, h, i, r, N=64)
+    assert torch.equal(f.view(torch.int32), x.float().view(torch.int32))
+    assert torch.equal(h.view(torch.int16), x.float().half().view(torch.int16))
+    finite = x.isfinite() & (x.float().abs() < 2.0 ** 31)
+    assert torch.equal(i[finite], x.float()[finite].to(torch.int32))
+    assert torch.equal(r.view(torch.int16), (x.float() * 1.0078125).to(torch.bfloat16).view(torch.int16))

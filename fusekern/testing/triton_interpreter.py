@@ -29,7 +29,8 @@ def patch_bf16_support() -> bool:
         return False
 
     def bf16_to_f32(data):
-        return convert(data, tl.bfloat16, tl.float32, None).view(np.float32)
+        # exact: bf16 is fp32's upper half (the interpreter's own conversion gets subnormals wrong: 1e-39 -> 4.4e-39)
+        return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
     def f32_to_bf16_rne(data):
         bits = data.view(np.uint32).astype(np.uint64)
@@ -47,9 +48,12 @@ def patch_bf16_support() -> bool:
         if dst_ty == tl.bfloat16 and src_ty != tl.bfloat16:
             as_f32 = np.ascontiguousarray(src.data.astype(np.float32))  # ints and fp16 are exact in fp32
             return interp.TensorHandle(f32_to_bf16_rne(as_f32), tl.bfloat16)
-        if src_ty == tl.bfloat16 and dst_ty != tl.bfloat16 and dst_ty != tl.float32:
-            data = bf16_to_f32(src.data).astype(interp._get_np_dtype(dst_type))
-            return interp.TensorHandle(data, dst_ty)
+        if src_ty == tl.bfloat16 and dst_ty != tl.bfloat16:
+            f32 = bf16_to_f32(src.data)
+            np_dst = np.dtype(interp._get_np_dtype(dst_type))
+            if dst_ty.is_floating() and np_dst.kind != "f":  # fp8, held as bits: the interpreter's cast from fp32
+                return orig_cast(self, interp.TensorHandle(f32, tl.float32), dst_type)
+            return interp.TensorHandle(f32 if dst_ty == tl.float32 else f32.astype(np_dst), dst_ty)
         return orig_cast(self, src, dst_type)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
