@@ -4,7 +4,8 @@ Triton 3.6's interpreter keeps bf16 values as their raw uint16 bits. Two of its 
 the bits as if they were integers: integer -> bf16 casts (``astype(uint16)``) and ``tl.dot`` on bf16
 operands (``np.matmul`` of the bit patterns). Both give garbage (seen: int8 -> bf16 gave NaN, a
 16x16 bf16 dot was off by 1e10). Its fp32 -> bf16 cast truncates, where the GPU rounds to nearest
-even (seen: errors of one bf16 ulp on half the values). This module patches those paths, going
+even (seen: errors of one bf16 ulp on half the values), and its bf16 -> fp32 conversion misreads
+subnormals (1e-39 as 4.4e-39). This module patches those paths, going
 through float32 and rounding exactly as the GPU does, so bf16 kernels can be checked on CPU.
 
 Only the interpreter is touched; compiled kernels never see this.
@@ -24,12 +25,11 @@ def patch_bf16_support() -> bool:
     except ImportError:
         return False
     builder_cls = getattr(interp, "InterpreterBuilder", None)
-    convert = getattr(interp, "_convert_float", None)
-    if builder_cls is None or convert is None:
+    if builder_cls is None:
         return False
 
     def bf16_to_f32(data):
-        # exact: bf16 is fp32's upper half (the interpreter's own conversion gets subnormals wrong: 1e-39 -> 4.4e-39)
+        # exact: bf16 is fp32's upper half
         return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
     def f32_to_bf16_rne(data):
