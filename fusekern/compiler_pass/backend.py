@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fusekern.compiler_pass import direct_calls
 from fusekern.compiler_pass.example_inputs import digest as example_digest
 from fusekern.compiler_pass.example_inputs import provided as example_inputs_for_passes
 from fusekern.compiler_pass.options import FusekernOptions
@@ -49,6 +50,7 @@ def fusekern_backend(
     from torch._inductor.compile_fx import compile_fx
 
     opts = FusekernOptions.parse(options)
+    direct_calls.install()
     config_patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     config_patches.update(opts.inductor)
     passes = make_stage_passes(select_patterns(opts), opts, config_patches)

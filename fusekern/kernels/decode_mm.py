@@ -41,6 +41,7 @@ import triton
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
+from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_n as imn
 from fusekern.kernels import int4_mma_sync as ims
@@ -1093,7 +1094,8 @@ def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     return _decode_mm_cpu(x, leaves, program, bias)
 
 
-torch.library.impl("fusekern::decode_mm", "CUDA")(_decode_mm_cuda)  # (kept callable for tests)
+torch.library.impl("fusekern::decode_mm", "CUDA")(_decode_mm_cuda)  # (kept callable: tests, direct_calls)
+direct_calls.register(torch.ops.fusekern.decode_mm.default, _decode_mm_cuda)
 
 
 def _decode_mm_cpu(x, leaves, program, bias, layout=""):

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
@@ -157,7 +158,8 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
     return _separate(x, members, programs, layout)
 
 
-torch.library.impl("fusekern::decode_mm_group", "CUDA")(_decode_mm_group_cuda)  # (kept callable for tests)
+torch.library.impl("fusekern::decode_mm_group", "CUDA")(_decode_mm_group_cuda)  # (kept callable: tests, direct_calls)
+direct_calls.register(torch.ops.fusekern.decode_mm_group.default, _decode_mm_group_cuda)
 
 
 @torch.library.impl("fusekern::decode_mm_group", "CPU")
