@@ -259,3 +259,43 @@ def test_example_digest_keys_only_what_a_rewrite_reads():
     others = [torch.randint(0, 32000, (1, 77)), torch.arange(5, 12), torch.tensor([1234]), torch.tensor([3]),
               torch.randn(8, 8)]
     assert digest(others) == ""
+
+
+def test_op_replays_without_checking_again_until_g_idx_is_written(monkeypatch):
+    """The op keys its launch replay by the write counts of the leaves the guard checks: while they hold, a
+    call replays with no guard lookup; after an in-place write the guard checks again, and the act-order
+    values leave the k // G kernels (the result is the program's as written)."""
+    from test_replay import _InterpretedLaunch
+
+    from fusekern.kernels import replay
+
+    if DEVICE != "cuda":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        monkeypatch.setattr(replay, "launch", lambda jit_fn, grid, args, kwargs, record:
+                            _InterpretedLaunch(jit_fn, grid, args, kwargs) if record else jit_fn[grid](*args, **kwargs))
+    monkeypatch.setattr(dm, "_REPLAYS", dm.LeafCache())
+    x, leaves, program, layout = rewritten(weights(sorted_index()))
+    leaves = [t.to(DEVICE) for t in leaves]
+    i = DecodeProgram.from_text(program).taken(len(leaves)).index(layout_guard._parse(layout)[2][0][0])
+    resolved, paths = [], []
+    real_resolve, real_path = layout_guard.resolve, dm.decode_mm_triton
+    monkeypatch.setattr(layout_guard, "resolve", lambda *a: resolved.append(1) or real_resolve(*a))
+    monkeypatch.setattr(dm, "decode_mm_triton",
+                        lambda *a, record=None, **k: (record is not None and paths.append(k.get("layout")))
+                        or real_path(*a, record=record, **k))
+    prog = DecodeProgram.from_text(program)
+
+    def reference(x):
+        cpu = [t.cpu() for t in leaves]
+        return x.double() @ prog.evaluate(prog.bind(cpu, "cpu")).double()
+
+    dm._decode_mm_cuda(x.to(DEVICE), leaves, program, None, layout)
+    assert len(resolved) == 1 and len(paths) == 1 and paths[0]  # the guarded (packed) layout
+    x2 = torch.randn(3, K, dtype=torch.bfloat16)
+    got = dm._decode_mm_cuda(x2.to(DEVICE), leaves, program, None, layout)
+    assert len(resolved) == 1 and len(paths) == 1  # replayed: no guard lookup, no path
+    assert rel_err(got.cpu(), reference(x2)) <= 1e-2
+    leaves[i].copy_(act_order_index().to(DEVICE))
+    got = dm._decode_mm_cuda(x2.to(DEVICE), leaves, program, None, layout)
+    assert len(resolved) == 2 and paths[1:] == [""]  # checked again: the program as written
+    assert rel_err(got.cpu(), reference(x2)) <= 1e-2

@@ -190,8 +190,9 @@ class _Rep:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, x, bias=None):
+    def __call__(self, x, bias=None, stream=None):
         self.calls += 1
+        self.stream = stream  # the op hands over the stream its key read (0 off CUDA)
         return ("replayed", x.shape)
 
 
@@ -216,7 +217,7 @@ def test_decode_mm_replays_only_the_same_leaves_and_activation_layout(monkeypatc
     x = torch.randn(2, 16)
     assert dm._decode_mm_cuda(x, leaves, "p", None, "lay") == "normal"
     assert dm._decode_mm_cuda(torch.randn(2, 16), leaves, "p", None, "lay") == ("replayed", (2, 16))
-    assert reps[0].calls == 1 and len(normal) == 1
+    assert reps[0].calls == 1 and len(normal) == 1 and reps[0].stream == replay.x_key(x)[-1]
     # anything the launch assumed that differs: the op's own path (and a new record)
     others = [(torch.randn(3, 16), leaves, "p", None, "lay"),  # shape
               (torch.randn(16, 2).t(), leaves, "p", None, "lay"),  # strides
@@ -329,7 +330,7 @@ class _InterpretedLaunch:
     def slots(self, *names):
         return tuple(self.index[n] for n in names)
 
-    def run(self, slots, values):
+    def run(self, slots, values, stream=None):  # (the interpreter runs in order: no stream)
         args = self.args.copy()
         for i, v in zip(slots, values):
             args[i] = v

@@ -1075,18 +1075,20 @@ torch.library.define(
 )
 
 
-_REPLAYS = LeafCache()  # (program, layout, bias given, activation) per leaf set -> the call's replay
+_REPLAYS = LeafCache()  # (program, layout as given, bias given, checked leaves' versions, activation) per leaf set -> replay
 
 
 def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path.
-    Calls after the first with the same leaves, bias and activation layout replay its launch (``replay``)."""
-    program, layout = layout_guard.resolve(program, layout, leaves)
-    key = (program, layout, bias is not None, *replay.x_key(x))
+    Calls after the first with the same leaves, bias and activation layout replay its launch (``replay``),
+    and, for a guarded layout, with the same write counts of the leaves it checks (``layout_guard``: the
+    replay then stands for its verdict)."""
+    key = (program, layout, bias is not None, layout_guard.versions(program, layout, leaves), *replay.x_key(x))
     tensors = leaves if bias is None else [*leaves, bias]
     rep = _REPLAYS.get(key, tensors)
     if rep is not None:
-        return rep(x, bias)
+        return rep(x, bias, key[-1])
+    program, layout = layout_guard.resolve(program, layout, leaves)
     prog = DecodeProgram.from_text(program)
     leaves = prog.bind(leaves, x.device)
     if x.dtype in SUPPORTED_ACT_DTYPES and all(tuple(t.stride()) == l.stride for t, l in zip(leaves, prog.leaves)):

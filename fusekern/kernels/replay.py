@@ -68,13 +68,15 @@ class Launch:
     def slots(self, *names: str) -> tuple[int, ...]:
         return tuple(self.index[n] for n in names)
 
-    def run(self, slots: tuple[int, ...], values) -> None:
-        """Launch again with ``values`` in ``slots`` (tensors or addresses), on the current stream."""
+    def run(self, slots: tuple[int, ...], values, stream: int | None = None) -> None:
+        """Launch again with ``values`` in ``slots`` (tensors or addresses), on ``stream`` (a raw handle: the
+        current stream's, which the caller's key already read) or else the current stream."""
         args = self.args.copy()
         for i, v in zip(slots, values):
             args[i] = v
         k, (g0, g1, g2) = self.kernel, self.grid
-        stream = _stream(self.device)
+        if stream is None:
+            stream = _stream(self.device)
         enter = knobs.runtime.launch_enter_hook
         meta = k.launch_metadata(self.grid, stream, *args) if enter is not None else None
         k.run(g0, g1, g2, stream, k.function, k.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook, *args)
@@ -95,9 +97,11 @@ class Replay:
         self.slots = launch.slots(*slots)
         self.sources = tuple(slots.values())
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None):
-        bufs = [torch.empty(shape, device=x.device, dtype=dtype) for shape, dtype in self.buffers]
-        self.launch.run(self.slots, [x if s == X else bufs[s] for s in self.sources])
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, stream: int | None = None):
+        """``stream``: the current stream's raw handle where the caller has it (``x_key``'s last entry)."""
+        device = x.device
+        bufs = [torch.empty(shape, device=device, dtype=dtype) for shape, dtype in self.buffers]
+        self.launch.run(self.slots, [x if s == X else bufs[s] for s in self.sources], stream)
         return bufs[0] if self.tail is None else self.tail(x, bufs, bias)
 
 
@@ -119,6 +123,9 @@ def recorder(cache, key, tensors):
     return lambda rep: cache.put(key, tensors, rep)
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
 def _stream(device: int):
     """The device's current stream, as Triton's launcher takes it."""
     return triton.runtime.driver.active.get_current_stream(device)
@@ -135,6 +142,11 @@ def launch(jit_fn, grid, args: tuple, kwargs: dict, record: bool) -> Launch | No
 def x_key(x: torch.Tensor) -> tuple:
     """What a recorded launch assumed of the activation (the JIT specializes on shape-derived ints,
     strides and 16-byte alignment), the device the kernel was loaded on, and the stream whose split-K
-    counters it holds (``split_counters``: one buffer per stream, so that streams may run at once)."""
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
-            torch.cuda.current_device() if x.is_cuda else -1, stream_of(x.device))
+    counters it holds (``split_counters``: one buffer per stream, so that streams may run at once); the
+    stream's raw handle comes last (``Replay`` launches on it). Read once per call of a decode op: each
+    step here costs a C call from Python."""
+    device = x.device
+    if device.type != "cuda":
+        return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0, -1, 0)
+    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0, _current_device(),
+            stream_of(device))
