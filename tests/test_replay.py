@@ -333,6 +333,11 @@ class _InterpretedLaunch:
     def run(self, slots, values, stream=None):  # (the interpreter runs in order: no stream)
         args = self.args.copy()
         for i, v in zip(slots, values):
+            # A compiled launcher reads a tensor's address only; the kernel's signature fixes the element
+            # type (an fp8 cache replayed into its int32 words' slot): the interpreter needs that view.
+            was = args[i]
+            if isinstance(was, torch.Tensor) and isinstance(v, torch.Tensor) and v.dtype != was.dtype:
+                v = v.view(was.dtype)
             args[i] = v
         self.jit[self.grid](*args)
 

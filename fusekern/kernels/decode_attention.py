@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
+from fusekern.kernels import replay
+from fusekern.kernels.attention_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.fp8_kv_attention import (
     LOG2E, Q_DTYPES, _merge_splits, _query_rows, check_decode_shapes, padded_rows, split_chunk, split_plan,
@@ -253,8 +255,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return _launch(q, k, v, mask, sm_scale, masked_value, num_splits)
 
 
-def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None) -> torch.Tensor:
-    """``decode_attention`` on inputs already checked (the op checks once per call, then times or runs)."""
+def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None, record=None) -> torch.Tensor:
+    """``decode_attention`` on inputs already checked (the op checks once per call, then times or runs).
+    record: called with an ``attention_replay.AttentionReplay`` of this launch where it can replay."""
+    given = (q, k, v, mask)  # (q may be replaced by a contiguous copy below: then nothing is recorded)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k.shape
     if sm_scale is None:
@@ -272,17 +276,20 @@ def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None) -> torch.Ten
     chunk, splits, ws_acc, ws_ml, cnt = split_plan(out, Hkv, S, rows, block, num_splits)
     mv, code = _mask_view(mask, (B, Hq, Lq, S))
     m_arg, m_strides = (out, (0, 0, 0, 0)) if mv is None else (mv, mv.stride())
-    decode_attention_kernel[(B * Hkv, splits)](
+    launch = replay.launch(decode_attention_kernel, (B * Hkv, splits), (
         q, k, v, m_arg, out, ws_acc, ws_ml, cnt,
         S, chunk, splits, Hkv, G, Lq, float(sm_scale) * LOG2E, _masked_log2(masked_value),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *m_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1, MASK=code,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+        out.stride(0), out.stride(1), out.stride(2)),
+        dict(D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1, MASK=code,
+             num_warps=NUM_WARPS, num_stages=NUM_STAGES), record is not None)
+    split = splits > 1
+    sources = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "m_ptr": 3 if mv is not None else OUT, "out_ptr": OUT,
+               "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
+    record_if_direct(record, launch, sources, given, out, (ws_acc, ws_ml) if split else None)
     return out
 
 
@@ -402,10 +409,18 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
     return _choice[key]
 
 
+_REPLAYS: dict = {}  # the call's layouts (attention_replay.call_key) -> the kernel launch to replay
+
+
 def _decode_attention_cuda(q, k, v, mask, sm_scale, masked_value=-math.inf):
+    """Calls after the first with the same layouts replay its launch (``attention_replay``)."""
+    key = call_key((q, k, v, mask), sm_scale, masked_value)
+    rep = _REPLAYS.get(key)
+    if rep is not None:
+        return rep((q, k, v, mask), key[-1])
     _check_inputs(q, k, v, mask)
     if _choose(q, k, v, mask, sm_scale, masked_value):
-        return _launch(q, k, v, mask, sm_scale, masked_value)
+        return _launch(q, k, v, mask, sm_scale, masked_value, record=recorder(_REPLAYS, key))
     return torch_attention(q, k, v, mask, sm_scale, masked_value)
 
 

@@ -58,6 +58,8 @@ import triton
 import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
+from fusekern.kernels import replay
+from fusekern.kernels.attention_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.remat import INTERPRETING
@@ -502,8 +504,15 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
     round that scale to the dtype first, as ``scale.to(dtype)`` would (in registers, no extra kernel).
     ``num_splits``: chunks per sequence (default: ``kv_splits``).
     """
+    return _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, num_splits)
+
+
+def _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, num_splits=None, record=None):
+    """``fp8_kv_decode_attention``; record: called with an ``attention_replay.AttentionReplay`` of the launch
+    where it can replay (every input passed as it is)."""
     _check_inputs(q, k8, k_scale, v8)
     _check_round(k_scale_round, v_scale_round)
+    given = (q, k8, k_scale, v8, v_scale)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k8.shape
     vs = per_head_v_scale(v_scale, B, Hkv, q.device)
@@ -519,7 +528,7 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
         num_splits = kv_splits(B * Hkv, S, sm_count(q.device))
     chunk, splits, ws_acc, ws_ml, cnt = split_plan(out, Hkv, S, rows, block, num_splits)
     kw, vw = _as_words(k8, "k8"), _as_words(v8, "v8")
-    fp8_kv_decode_kernel[(B * Hkv, splits)](
+    launch = replay.launch(fp8_kv_decode_kernel, (B * Hkv, splits), (
         q, kw, k_scale, vw, vs, out, ws_acc, ws_ml, cnt,
         S, chunk, splits, Hkv, G, Lq, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -527,11 +536,15 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         vw.stride(0), vw.stride(1), vw.stride(2),
         vs.stride(0), vs.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1,
-        KS_ROUND=ROUND_CODES[k_scale_round], VS_ROUND=ROUND_CODES[v_scale_round],
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG,
-    )
+        out.stride(0), out.stride(1), out.stride(2)),
+        dict(D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1,
+             KS_ROUND=ROUND_CODES[k_scale_round], VS_ROUND=ROUND_CODES[v_scale_round],
+             num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG), record is not None)
+    split = splits > 1
+    sources = {"q_ptr": 0, "kw_ptr": 1, "ks_ptr": 2, "vw_ptr": 3, "vs_ptr": 4, "out_ptr": OUT,
+               "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
+    if isinstance(v_scale, torch.Tensor):  # (a number is made a tensor per call: nothing to replay into)
+        record_if_direct(record, launch, sources, given, out, (ws_acc, ws_ml) if split else None)
     return out
 
 
@@ -635,10 +648,18 @@ def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float, k_scale_round=N
     return (p @ v).to(q.dtype)
 
 
+_REPLAYS: dict = {}  # the call's layouts (attention_replay.call_key) -> the kernel launch to replay
+
+
 def _fp8_kv_attention_cuda(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=None, v_scale_round=None):
+    """Calls after the first with the same layouts replay its launch (``attention_replay``)."""
+    key = call_key((q, k8, k_scale, v8, v_scale), sm_scale, k_scale_round, v_scale_round)
+    rep = _REPLAYS.get(key)
+    if rep is not None:
+        return rep((q, k8, k_scale, v8, v_scale), key[-1])
     try:
-        return fp8_kv_decode_attention(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=k_scale_round,
-                                       v_scale_round=v_scale_round)
+        return _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round,
+                    record=recorder(_REPLAYS, key))
     except ValueError:
         # The graph rewrite checked everything a fake tensor shows; what is left is the cache's address
         # (not a whole number of 4-byte words): the same math unfused, never a wrong result.

@@ -1,0 +1,178 @@
+"""The attention ops replay a call's launch on later calls with the same layouts
+(``fusekern/kernels/attention_replay.py``). On CPU the launches run in Triton's interpreter (recorded as
+the arguments themselves, ``test_replay._InterpretedLaunch``); on a GPU the compiled launcher is replayed
+and compared with the op's own path bit for bit."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_replay import _InterpretedLaunch
+
+from fusekern.kernels import attention_replay as ar
+from fusekern.kernels import decode_attention as A
+from fusekern.kernels import fp8_kv_attention as F
+from fusekern.kernels import replay
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    """Fresh replay tables; on CPU, interpreted launches and no capture; the op always takes the kernel
+    (its first-call timing against SDPA needs a GPU)."""
+    monkeypatch.setattr(A, "_REPLAYS", {})
+    monkeypatch.setattr(F, "_REPLAYS", {})
+    monkeypatch.setattr(A, "_choose", lambda *a: True)
+    if DEVICE != "cuda":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        monkeypatch.setattr(replay, "launch", lambda jit_fn, grid, args, kwargs, record:
+                            _InterpretedLaunch(jit_fn, grid, args, kwargs) if record else jit_fn[grid](*args, **kwargs))
+
+
+def _qkv(B, S, seed, Hq=8, Hkv=2, D=64, dtype=BF16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE, dtype)
+    return q, k, v
+
+
+def _mask(kind, B, Hq, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "bool":
+        m = torch.rand(B, 1, 1, S, generator=g) < 0.7
+        m[..., 0] = True
+        return m.to(DEVICE)
+    b = torch.randn(1, Hq, 1, S, generator=g)
+    b[..., 5:9] = -math.inf
+    return b.to(DEVICE, BF16)
+
+
+def _counting(monkeypatch, module, name):
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls, real
+
+
+# (B, S, splits forced through the heuristic's SM count) : one split and several
+SHAPES = [(2, 96, 1), (1, 1024, 4)]
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
+@pytest.mark.parametrize("B,S,splits", SHAPES, ids=["one_split", "split"])
+def test_decode_attention_replays_the_same_layouts(ops, monkeypatch, mask_kind, B, S, splits):
+    monkeypatch.setattr(A, "kv_splits", lambda *a: splits)
+    launches, launch = _counting(monkeypatch, A, "_launch")
+    q, k, v = _qkv(B, S, 0)
+    mask = _mask(mask_kind, B, 8, S, 1)
+    A._decode_attention_cuda(q, k, v, mask, 0.125, -math.inf)
+    assert len(launches) == 1 and len(A._REPLAYS) == 1
+    q2, k2, v2 = _qkv(B, S, 2)  # other tensors, same layouts: replayed
+    mask2 = _mask(mask_kind, B, 8, S, 3)
+    got = A._decode_attention_cuda(q2, k2, v2, mask2, 0.125, -math.inf)
+    assert len(launches) == 1
+    assert torch.equal(got, launch(q2, k2, v2, mask2, 0.125, -math.inf))
+
+
+def test_decode_attention_misses_on_any_other_layout(ops, monkeypatch):
+    launches, _ = _counting(monkeypatch, A, "_launch")
+    q, k, v = _qkv(2, 96, 0)
+    mask = _mask("bool", 2, 8, 96, 1)
+    A._decode_attention_cuda(q, k, v, mask, 0.125, -math.inf)
+    cache = torch.randn(2, 2, 128, 64).to(DEVICE, BF16)
+    offset = torch.randn(2 * 8 * 64 + 4).to(DEVICE, BF16)[4:].view(2, 8, 1, 64)  # 8 bytes past alignment
+    others = [(q, cache[:, :, :96], v, mask, 0.125, -math.inf),  # k's strides (a longer cache)
+              (q.half(), k.half(), v.half(), mask, 0.125, -math.inf),  # dtype
+              (offset, k, v, mask, 0.125, -math.inf),  # q's alignment
+              (q, k, v, mask.expand(2, 8, 1, 96), 0.125, -math.inf),  # the mask's strides
+              (q, k, v, None, 0.125, -math.inf),  # no mask
+              (q, k, v, mask, 0.25, -math.inf),  # another scale
+              (q, k, v, mask, 0.125, -65536.0)]  # another masked value
+    for args in others:
+        n = len(launches)
+        A._decode_attention_cuda(*args)
+        assert len(launches) == n + 1
+        A._decode_attention_cuda(*args)  # (and now recorded for that layout)
+        assert len(launches) == n + 1
+
+
+def test_a_copied_input_is_not_recorded(ops, monkeypatch):
+    """q with a strided head dim is copied before the launch: a replay would read the caller's q."""
+    launches, launch = _counting(monkeypatch, A, "_launch")
+    q, k, v = _qkv(2, 96, 0)
+    q = torch.randn(2, 8, 1, 128).to(DEVICE, BF16)[..., ::2]  # head dim stride 2
+    assert q.stride(-1) != 1
+    for _ in range(2):
+        A._decode_attention_cuda(q, k, v, None, 0.125, -math.inf)
+    assert len(launches) == 2 and not A._REPLAYS
+
+
+def test_nothing_is_recorded_during_a_capture(ops, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q, k, v = _qkv(2, 96, 0)
+    A._launch(q, k, v, None, 0.125, -math.inf, record=ar.recorder(A._REPLAYS, "key"))
+    assert not A._REPLAYS
+
+
+def _fp8_inputs(B, S, seed, v_scale_device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 8, 1, 64, generator=g).to(DEVICE, BF16)
+    k8 = torch.randn(B, 2, S, 64, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    v8 = torch.randn(B, 2, S, 64, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    k_scale = (torch.rand(B, 2, S, generator=g) + 0.5).to(DEVICE)
+    v_scale = (torch.rand(2, generator=g) + 0.5).to(v_scale_device)
+    return q, k8, k_scale, v8, v_scale
+
+
+@pytest.mark.parametrize("B,S,splits", SHAPES, ids=["one_split", "split"])
+@pytest.mark.parametrize("rounding", [None, BF16])
+def test_fp8_kv_attention_replays_the_same_layouts(ops, monkeypatch, B, S, splits, rounding):
+    monkeypatch.setattr(F, "kv_splits", lambda *a: splits)
+    runs, run = _counting(monkeypatch, F, "_run")
+    F._fp8_kv_attention_cuda(*_fp8_inputs(B, S, 0), 0.125, rounding, rounding)
+    assert len(runs) == 1 and len(F._REPLAYS) == 1
+    second = _fp8_inputs(B, S, 1)
+    got = F._fp8_kv_attention_cuda(*second, 0.125, rounding, rounding)
+    assert len(runs) == 1
+    assert torch.equal(got, run(*second, 0.125, rounding, rounding))
+    F._fp8_kv_attention_cuda(*second, 0.125, None if rounding else BF16, rounding)  # another rounding: a miss
+    assert len(runs) == 2
+
+
+def test_fp8_scale_moved_to_the_gpu_is_not_recorded(ops, monkeypatch):
+    if DEVICE != "cuda":
+        pytest.skip("a CPU scale is moved only to a GPU")
+    runs, _ = _counting(monkeypatch, F, "_run")
+    q, k8, k_scale, v8, _ = _fp8_inputs(2, 96, 0)
+    for _ in range(2):
+        F._fp8_kv_attention_cuda(q, k8, k_scale, v8, torch.tensor(0.7), 0.125)
+    assert len(runs) == 2 and not F._REPLAYS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B,S", [(1, 256), (8, 8192)])
+def test_gpu_replays_are_the_paths_bits(ops, B, S):
+    """The demo's shape and a long split context: each replay's output is the JIT path's, bit for bit,
+    into an output the replay allocates (a NaN-filled pool first, so a slot left unwritten shows)."""
+    q, k, v = _qkv(B, S, 0, Hq=32, Hkv=8, D=128)
+    pos = torch.arange(S, device=DEVICE)[None, :] <= S - 7
+    A._decode_attention_cuda(q, k, v, pos, 128 ** -0.5, -math.inf)
+    rep, = A._REPLAYS.values()
+    for seed in (1, 2):
+        q2, k2, v2 = _qkv(B, S, seed, Hq=32, Hkv=8, D=128)
+        torch.full((4 * q2.numel(),), float("nan"), device=DEVICE)  # (freed: the pool now holds NaN)
+        got = A._decode_attention_cuda(q2, k2, v2, pos, 128 ** -0.5, -math.inf)
+        assert len(A._REPLAYS) == 1 and A._REPLAYS[next(iter(A._REPLAYS))] is rep
+        assert torch.equal(got, A._launch(q2, k2, v2, pos, 128 ** -0.5, -math.inf))
+    inputs = _fp8_inputs(B, S, 0)
+    F._fp8_kv_attention_cuda(*inputs, 0.125)
+    for seed in (1, 2):
+        second = _fp8_inputs(B, S, seed)
+        got = F._fp8_kv_attention_cuda(*second, 0.125)
+        assert len(F._REPLAYS) == 1 and torch.equal(got, F._run(*second, 0.125, None, None))
