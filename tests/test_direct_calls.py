@@ -9,11 +9,11 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusekern.compiler_pass import direct_calls
-from fusekern.kernels import decode_mm as _decode_mm  # noqa: F401  (defines the op)
+from fusekern.kernels import decode_mm as dm
 from fusekern.testing import decode_zoo as zoo
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DECODE_MM = torch.ops.fusekern.decode_mm.default
+DECODE_MM = dm.decode_mm.default  # (importing the module defines the op)
 
 
 class _SeenOps(TorchDispatchMode):
