@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
-from fusekern.kernels.attention_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
+from fusekern.kernels.layout_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.fp8_kv_attention import (
     LOG2E, Q_DTYPES, _merge_splits, _query_rows, check_decode_shapes, padded_rows, split_chunk, split_plan,
@@ -257,7 +257,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None, record=None) -> torch.Tensor:
     """``decode_attention`` on inputs already checked (the op checks once per call, then times or runs).
-    record: called with an ``attention_replay.AttentionReplay`` of this launch where it can replay."""
+    record: called with an ``layout_replay.LayoutReplay`` of this launch where it can replay."""
     given = (q, k, v, mask)  # (q may be replaced by a contiguous copy below: then nothing is recorded)
     B, Hq, Lq, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -289,7 +289,7 @@ def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None, record=None)
     split = splits > 1
     sources = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "m_ptr": 3 if mv is not None else OUT, "out_ptr": OUT,
                "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
-    record_if_direct(record, launch, sources, given, out, (ws_acc, ws_ml) if split else None)
+    record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
     return out
 
 
@@ -409,11 +409,11 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
     return _choice[key]
 
 
-_REPLAYS: dict = {}  # the call's layouts (attention_replay.call_key) -> the kernel launch to replay
+_REPLAYS: dict = {}  # the call's layouts (layout_replay.call_key) -> the kernel launch to replay
 
 
 def _decode_attention_cuda(q, k, v, mask, sm_scale, masked_value=-math.inf):
-    """Calls after the first with the same layouts replay its launch (``attention_replay``)."""
+    """Calls after the first with the same layouts replay its launch (``layout_replay``)."""
     key = call_key((q, k, v, mask), sm_scale, masked_value)
     rep = _REPLAYS.get(key)
     if rep is not None:

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
-from fusekern.kernels.attention_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
+from fusekern.kernels.layout_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.remat import INTERPRETING
@@ -508,7 +508,7 @@ def fp8_kv_decode_attention(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
 
 
 def _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, num_splits=None, record=None):
-    """``fp8_kv_decode_attention``; record: called with an ``attention_replay.AttentionReplay`` of the launch
+    """``fp8_kv_decode_attention``; record: called with an ``layout_replay.LayoutReplay`` of the launch
     where it can replay (every input passed as it is)."""
     _check_inputs(q, k8, k_scale, v8)
     _check_round(k_scale_round, v_scale_round)
@@ -544,7 +544,7 @@ def _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, nu
     sources = {"q_ptr": 0, "kw_ptr": 1, "ks_ptr": 2, "vw_ptr": 3, "vs_ptr": 4, "out_ptr": OUT,
                "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
     if isinstance(v_scale, torch.Tensor):  # (a number is made a tensor per call: nothing to replay into)
-        record_if_direct(record, launch, sources, given, out, (ws_acc, ws_ml) if split else None)
+        record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
     return out
 
 
@@ -648,11 +648,11 @@ def attention_math(q, k8, k_scale, v8, v_scale, sm_scale: float, k_scale_round=N
     return (p @ v).to(q.dtype)
 
 
-_REPLAYS: dict = {}  # the call's layouts (attention_replay.call_key) -> the kernel launch to replay
+_REPLAYS: dict = {}  # the call's layouts (layout_replay.call_key) -> the kernel launch to replay
 
 
 def _fp8_kv_attention_cuda(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round=None, v_scale_round=None):
-    """Calls after the first with the same layouts replay its launch (``attention_replay``)."""
+    """Calls after the first with the same layouts replay its launch (``layout_replay``)."""
     key = call_key((q, k8, k_scale, v8, v_scale), sm_scale, k_scale_round, v_scale_round)
     rep = _REPLAYS.get(key)
     if rep is not None:

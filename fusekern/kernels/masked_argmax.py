@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
+from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
+from fusekern.kernels.layout_replay import New, call_key, record_if_direct, recorder
 from fusekern.kernels.split_counters import split_counters
 
 KERNEL_VERSION = "masked_argmax-4"
@@ -191,14 +193,17 @@ def _check_devices(logits, temperature, banned, mask) -> None:
 
 def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
-                         warps: int | None = None) -> torch.Tensor:
+                         warps: int | None = None, record=None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
     value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
     ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
-    about two per SM); warps: of each program (default: see warps_for)."""
+    about two per SM); warps: of each program (default: see warps_for). record: called with a
+    ``layout_replay.LayoutReplay`` of the launch where it can replay (the op's)."""
     check_args(logits, temperature, banned, mask)
+    given = (logits, temperature, banned, mask)
     if isinstance(temperature, torch.Tensor) and temperature.device != logits.device:
         temperature = float(temperature.item())  # one value on the CPU (check_args): a kernel argument
+        record = None  # (a value read from a tensor: a replay would keep this call's)
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -234,13 +239,18 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         cnt = split_counters(logits.device, B)
     else:
         ws_v = ws_i = cnt = out
-    masked_argmax_kernel[(B, split)](
+    launch = replay.launch(masked_argmax_kernel, (B, split), (
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
-        ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv,
-        HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None, HAS_MASK=mask is not None,
-        DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1, SPLIT_BLOCK=split_block,
-        num_warps=warps or warps_for(B, logits.device),
-    )
+        ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv),
+        dict(HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None,
+             HAS_MASK=mask is not None, DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1,
+             SPLIT_BLOCK=split_block, num_warps=warps or warps_for(B, logits.device)), record is not None)
+    # slots: each input's own address, or the output where an input is absent (as above)
+    sources = {"x_ptr": 0, "t_ptr": 1 if t_tensor else 0, "banned_ptr": 2 if banned is not None else 0,
+               "mask_ptr": 3 if mask is not None else 0, "out_ptr": New(0),
+               **({"ws_v_ptr": New(1), "ws_i_ptr": New(2)} if split > 1 else
+                  {"ws_v_ptr": New(0), "ws_i_ptr": New(0), "cnt_ptr": New(0)})}
+    record_if_direct(record, launch, sources, given, (out, ws_v, ws_i) if split > 1 else (out,))
     return out
 
 
@@ -271,8 +281,18 @@ def _temperature(temperature, temperature_scalar):
     return None if temperature_scalar == 1.0 else temperature_scalar
 
 
+_REPLAYS: dict = {}  # the call's layouts (layout_replay.call_key) -> the kernel launch to replay
+
+
 def _masked_argmax_cuda(logits, temperature, temperature_scalar, banned, mask):
-    return masked_argmax_triton(logits, _temperature(temperature, temperature_scalar), banned, mask)
+    """Calls after the first with the same layouts replay its launch (``layout_replay``)."""
+    tensors = (logits, temperature, banned, mask)
+    key = call_key(tensors, temperature_scalar)
+    rep = _REPLAYS.get(key)
+    if rep is not None:
+        return rep(tensors, key[-1])
+    return masked_argmax_triton(logits, _temperature(temperature, temperature_scalar), banned, mask,
+                                record=recorder(_REPLAYS, key))
 
 
 torch.library.impl("fusekern::masked_argmax", "CUDA")(_masked_argmax_cuda)  # (kept callable: tests, direct_calls)

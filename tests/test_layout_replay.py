@@ -1,5 +1,5 @@
-"""The attention ops replay a call's launch on later calls with the same layouts
-(``fusekern/kernels/attention_replay.py``). On CPU the launches run in Triton's interpreter (recorded as
+"""The attention ops and the greedy sampler replay a call's launch on later calls with the same layouts
+(``fusekern/kernels/layout_replay.py``). On CPU the launches run in Triton's interpreter (recorded as
 the arguments themselves, ``test_replay._InterpretedLaunch``); on a GPU the compiled launcher is replayed
 and compared with the op's own path bit for bit."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 from test_replay import _InterpretedLaunch
 
-from fusekern.kernels import attention_replay as ar
+from fusekern.kernels import layout_replay as lr
 from fusekern.kernels import decode_attention as A
 from fusekern.kernels import fp8_kv_attention as F
+from fusekern.kernels import masked_argmax as MA
 from fusekern.kernels import replay
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,6 +26,7 @@ def ops(monkeypatch):
     (its first-call timing against SDPA needs a GPU)."""
     monkeypatch.setattr(A, "_REPLAYS", {})
     monkeypatch.setattr(F, "_REPLAYS", {})
+    monkeypatch.setattr(MA, "_REPLAYS", {})
     monkeypatch.setattr(A, "_choose", lambda *a: True)
     if DEVICE != "cuda":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -115,7 +117,7 @@ def test_a_copied_input_is_not_recorded(ops, monkeypatch):
 def test_nothing_is_recorded_during_a_capture(ops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     q, k, v = _qkv(2, 96, 0)
-    A._launch(q, k, v, None, 0.125, -math.inf, record=ar.recorder(A._REPLAYS, "key"))
+    A._launch(q, k, v, None, 0.125, -math.inf, record=lr.recorder(A._REPLAYS, "key"))
     assert not A._REPLAYS
 
 
@@ -154,6 +156,46 @@ def test_fp8_scale_moved_to_the_gpu_is_not_recorded(ops, monkeypatch):
     assert len(runs) == 2 and not F._REPLAYS
 
 
+def _greedy_inputs(B, V, seed, temperature, banned, mask):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g).to(DEVICE, BF16)
+    t = (torch.rand(B, 1, generator=g) + 0.5).to(DEVICE) if temperature == "rows" else None
+    ids = torch.randint(0, V, (B, 3), generator=g).to(DEVICE) if banned else None
+    m = (torch.rand(V, generator=g) < 0.1).to(DEVICE) if mask else None
+    return logits, t, ids, m
+
+
+# (B, V, split): one program per row and several (their partials in the workspaces)
+@pytest.mark.parametrize("B,V,split", [(3, 1000, 1), (2, 5000, 3)], ids=["one_program", "split"])
+@pytest.mark.parametrize("temperature,banned,mask", [(None, False, False), ("rows", True, False),
+                                                     ("scalar", False, True)], ids=["plain", "t_banned", "scalar_mask"])
+def test_masked_argmax_replays_the_same_layouts(ops, monkeypatch, B, V, split, temperature, banned, mask):
+    monkeypatch.setattr(MA, "split_for", lambda *a: split)
+    runs, run = _counting(monkeypatch, MA, "masked_argmax_triton")
+    scalar = 0.7 if temperature == "scalar" else 1.0
+    logits, t, ids, m = _greedy_inputs(B, V, 0, temperature, banned, mask)
+    MA._masked_argmax_cuda(logits, t, scalar, ids, m)
+    assert len(runs) == 1 and len(MA._REPLAYS) == 1
+    logits, t, ids, m = _greedy_inputs(B, V, 1, temperature, banned, mask)
+    got = MA._masked_argmax_cuda(logits, t, scalar, ids, m)
+    assert len(runs) == 1
+    assert torch.equal(got, run(logits, MA._temperature(t, scalar), ids, m))
+    MA._masked_argmax_cuda(logits, t, 0.5, ids, m)  # another scalar temperature: a miss
+    assert len(runs) == 2
+
+
+def test_masked_argmax_with_a_cpu_temperature_is_not_recorded(ops, monkeypatch):
+    """A one-value CPU temperature is read into a kernel argument: a replay would keep the first value."""
+    runs, _ = _counting(monkeypatch, MA, "masked_argmax_triton")
+    logits = _greedy_inputs(2, 1000, 0, None, False, False)[0]
+    for _ in range(2):
+        MA._masked_argmax_cuda(logits, torch.tensor([0.7]), 1.0, None, None)
+    if DEVICE == "cuda":
+        assert len(runs) == 2 and not MA._REPLAYS
+    else:  # (on CPU the temperature is on the logits' device: an input like any other)
+        assert len(runs) == 1 and len(MA._REPLAYS) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("B,S", [(1, 256), (8, 8192)])
@@ -176,3 +218,9 @@ def test_gpu_replays_are_the_paths_bits(ops, B, S):
         second = _fp8_inputs(B, S, seed)
         got = F._fp8_kv_attention_cuda(*second, 0.125)
         assert len(F._REPLAYS) == 1 and torch.equal(got, F._run(*second, 0.125, None, None))
+    logits, t, ids, m = _greedy_inputs(B, 128256, 0, "rows", True, True)
+    MA._masked_argmax_cuda(logits, t, 1.0, ids, m)
+    for seed in (1, 2):
+        logits, t, ids, m = _greedy_inputs(B, 128256, seed, "rows", True, True)
+        got = MA._masked_argmax_cuda(logits, t, 1.0, ids, m)
+        assert len(MA._REPLAYS) == 1 and torch.equal(got, MA.masked_argmax_triton(logits, t, ids, m))

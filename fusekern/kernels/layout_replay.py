@@ -1,0 +1,88 @@
+"""Launches of ops whose inputs are not weights, recorded on a call and replayed on later calls of the same layouts.
+
+The decode ops (``replay``) replay their first launch because their Python path and Triton's JIT launch
+cost more host time than the kernel. The attention ops (``decode_attention``, ``fp8_kv_attention``) and the
+greedy sampler (``masked_argmax``) have the same problem, once per layer or token, but none of their inputs
+is a weight: q, the KV cache, its scales, the mask, the logits can all be other tensors at every call. So
+the replay is keyed by the call's layouts, not by tensor identity: every input's shape, strides, dtype,
+device and 16-byte alignment (the JIT specializes pointers on it; every int the launch passes derives
+from the shapes and strides), the op's other arguments, the current device and stream (the split
+counters are per stream). A call that matches writes its tensors' addresses and fresh buffers (the
+output, split workspaces) into the recorded argument slots and calls the compiled kernel's launcher; the
+op's checks are skipped, since they read only what the key holds. A launch is recorded only where every
+input slot got the op's tensor itself (no copy: a q made contiguous, a scale moved to the GPU) and where
+no other argument came from a tensor's value, outside CUDA-graph capture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusekern.kernels import replay
+from fusekern.kernels.split_counters import stream_of
+
+
+@dataclass(frozen=True)
+class New:
+    """A slot source: buffer ``i`` of the replay's ``buffers``, made per call (buffer 0 is the output)."""
+    i: int
+
+
+OUT, ACC, ML = New(0), New(1), New(2)  # the attention ops' output and split workspaces
+_MAX_ENTRIES = 4096
+
+
+def call_key(tensors, *scalars) -> tuple:
+    """What a recorded launch assumed of a call (module docstring); the stream's raw handle comes last."""
+    parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+             for t in tensors]
+    device = tensors[0].device
+    if device.type != "cuda":
+        return (*parts, *scalars, -1, 0)
+    return (*parts, *scalars, replay._current_device(), stream_of(device))
+
+
+class LayoutReplay:
+    """A recorded launch: ``sources`` maps kernel argument names to an input's position in the op's tensors
+    or to a ``New`` buffer; ``buffers`` holds each new buffer's (shape, dtype). Returns buffer 0."""
+
+    def __init__(self, launch: replay.Launch, sources: dict, buffers: list):
+        self.launch, self.buffers = launch, buffers
+        self.slots = launch.slots(*sources)
+        self.sources = tuple(sources.values())
+
+    def __call__(self, tensors, stream: int | None = None) -> torch.Tensor:
+        device = tensors[0].device
+        made = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+        self.launch.run(self.slots, [made[s.i] if isinstance(s, New) else tensors[s] for s in self.sources], stream)
+        return made[0]
+
+
+def record_if_direct(record, launch: replay.Launch | None, sources: dict, tensors, buffers) -> None:
+    """Hand ``record`` the replay of ``launch`` if every input slot got the op's tensor itself (the same
+    address; otherwise the launch ran on a copy the replay would not make). ``buffers``: the launch's new
+    buffers, in ``New`` order (their shapes and dtypes are kept)."""
+    if record is None or launch is None or not launch.replayable:
+        return
+    for name, s in sources.items():
+        if not isinstance(s, New) and _address(launch.args[launch.index[name]]) != tensors[s].data_ptr():
+            return
+    record(LayoutReplay(launch, sources, [(tuple(b.shape), b.dtype) for b in buffers]))
+
+
+def _address(arg) -> int:
+    return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+
+
+def recorder(cache: dict, key):
+    """Where an op's call keeps its replay, or None while a CUDA graph is captured (the op's timing choice
+    cannot be made then, and the recorded launch would be a capture's)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+
+    def put(rep):
+        if len(cache) >= _MAX_ENTRIES:
+            cache.clear()
+        cache[key] = rep
+    return put
