@@ -1,10 +1,12 @@
-"""FP8 (e4m3) weights on tensor cores in f16 (``fusekern.kernels.fp8_mma``) against the float64 reference.
+"""8-bit weights (FP8 e4m3, int8, uint8 with zero points) on tensor cores in f16 (``fusekern.kernels.fp8_mma``)
+against the float64 reference.
 
 CPU: the kernel runs in the Triton interpreter on small shapes: 1-16 rows, column and K tails, splits of K
 (including more splits than K tiles), per-channel, per-tensor and 128 x 128 block scales, a global scale, biases,
 NaN-poisoned workspaces, strided and column-major rows, strided and misaligned codes; rows with values near bf16's
 limits and far below their neighbours (x is scaled into f16's range per K tile: nothing overflows, nothing
-small is lost beyond f16's subnormal grid). The dispatcher offers it for FP8 at 2-16 bf16 rows only, and bad input
+small is lost beyond f16's subnormal grid); int8 codes at their extremes with 8-bit zero points, uint8 codes
+minus a constant. The dispatcher offers it for 8-bit codes at 2-16 bf16 rows only, and bad input
 gets a clear error. GPU: issue 4's sizes, the same extreme rows, and the replay of a recorded launch.
 """
 import dataclasses
@@ -19,7 +21,9 @@ from fusekern.testing import rel_err
 from test_int4_mma import DEVICE, TOL, setup
 
 F = f8.Fp8Mma
-FORMATS = ["fp8_channel", "fp8_tensor", "fp8_block"]
+FP8_FORMATS = ["fp8_channel", "fp8_tensor", "fp8_block"]
+INT8_FORMATS = ["int8_channel", "int8_group", "int8_group_asym"]
+FORMATS = FP8_FORMATS + INT8_FORMATS
 
 
 def run(x, leaves, lay, K, N, cfg, bias=None):
@@ -123,16 +127,45 @@ def test_strided_rows_and_codes():
     check(run(x, moved, lay, K, N, cfg), x, leaves, lay, K, N)  # rows K + 17 bytes apart, an odd start
 
 
-def test_dispatch_offers_it_for_fp8_at_2_to_16_bf16_rows():
+def test_unsigned_codes_with_a_constant_zero():
+    """uint8 codes minus a constant (128: symmetric codes stored unsigned), per-group scales."""
+    K, N, M = 384, 72, 6
+    _, lay, leaves, x = setup(K, N, M, seed=5, fmt="int8_group")
+    codes = leaves[lay.code].view(torch.uint8)
+    ulay = dataclasses.replace(lay, value="uint", zero="const", zero_value=128.0)
+    uleaves = [codes if i == lay.code else t for i, t in enumerate(leaves)]
+    assert f8.layout_fits(ulay)
+    for cfg in (F(64, 128, 1), F(64, 128, 3)):
+        check(run(x, uleaves, ulay, K, N, cfg), x, uleaves, ulay, K, N)
+    assert not f8.layout_fits(dataclasses.replace(ulay, zero_value=0.5))  # q - 0.5: not an integer
+    assert not f8.layout_fits(dataclasses.replace(ulay, zero_value=300.0))  # beyond ZERO_MAX
+
+
+def test_int8_codes_at_their_extremes():
+    """Every int8 value (-128 and 127 included) and the largest 8-bit zero points: q - z up to 255 in size,
+    exact in f16."""
+    K, N, M = 256, 64, 3
+    _, lay, leaves, x = setup(K, N, M, seed=8, fmt="int8_group_asym")
+    codes = torch.arange(N * K, device=DEVICE).remainder(256).sub(128).to(torch.int8).reshape(N, K)
+    zeros = leaves[lay.zero_leaf].clone()
+    zeros[0::2] = 127
+    zeros[1::2] = -128
+    extreme = [codes if i == lay.code else zeros if i == lay.zero_leaf else t for i, t in enumerate(leaves)]
+    check(run(x, extreme, lay, K, N, F(64, 128, 2)), x, extreme, lay, K, N)
+
+
+def test_dispatch_offers_it_for_8_bit_codes_at_2_to_16_bf16_rows():
     for fmt in FORMATS:
         _, lay, _, _ = setup(256, 128, 2, fmt=fmt)
         mma = lambda M, **kw: [c for c in dm.candidates(M, 8192, 8192, layout=lay.to_text(), **kw)  # noqa: E731
                                if isinstance(c, F)]
         assert mma(2) and mma(16) and mma(16, x_dtype=torch.bfloat16)
         assert not mma(1) and not mma(17) and not mma(16, x_dtype=torch.float16)
-    for fmt in ("gptq", "mxfp4", "int8_channel"):
+    for fmt in ("gptq", "mxfp4", "hqq"):  # (HQQ: uint8 codes minus a float zero, not an integer)
         _, lay, _, _ = setup(256, 128, 2, fmt=fmt)
         assert not f8.layout_fits(lay)
+    _, lay, _, _ = setup(256, 128, 2, fmt="int8_group")
+    assert dm.min_capability(F(), lay) == dm.device_info.MIN_CAPABILITY  # no FP8 conversion for int8 codes
     _, lay, _, _ = setup(256, 128, 2, fmt="fp8_channel")
     assert not f8.layout_fits(dataclasses.replace(lay, zero="float", zero_leaf=2, zero_dims=("n",)))  # (w8 - z) * s
     assert not f8.layout_fits(dataclasses.replace(lay, scale_enc="e8m0"))
@@ -166,6 +199,13 @@ def test_bad_input_gets_a_clear_error():
         f8.fp8_mma(x, fp8_scales, lay, K, N, cfg)
     with pytest.raises(ValueError, match="workspace"):
         f8.fp8_mma(x, leaves, lay, K, N, cfg, workspace=torch.empty(1, 2, N, device=DEVICE))
+    _, lay8, leaves8, x8 = setup(K, N, 2, fmt="int8_group_asym")
+    wide_zeros = [t.to(torch.int32) if i == lay8.zero_leaf else t for i, t in enumerate(leaves8)]
+    with pytest.raises(ValueError, match="zero points must be int8 or uint8"):
+        f8.fp8_mma(x8, wide_zeros, lay8, K, N, cfg)
+    unsigned = [t.view(torch.uint8) if i == lay8.code else t for i, t in enumerate(leaves8)]
+    with pytest.raises(ValueError, match="the kernel reads int8"):
+        f8.fp8_mma(x8, unsigned, lay8, K, N, cfg)
 
 
 @pytest.mark.gpu

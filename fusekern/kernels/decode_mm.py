@@ -200,9 +200,10 @@ def _packed_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout,
         # programs per SM
         out += dict.fromkeys(f4.Fp4Mma(128, im.split_k_for(N, K, 128, sms, per_sm)) for per_sm in (4, 2))
     if 1 < M and f8.fits(lay, M, K, x_dtype):
-        # FP8 (e4m3) on tensor cores in f16, 2-16 rows (one row: the GEMV is faster). H200, M = 16
-        # (benchmarks/results/h200/fp8_dot_probe*.csv): 64-column tiles at about 2 programs per SM and 128-column
-        # ones at about 1 were the fastest on issue 4's shapes, 4-11% faster than the generic tile
+        # FP8 (e4m3) and 8-bit integer codes on tensor cores in f16, 2-16 rows (one row: the GEMV is faster for
+        # FP8). H200, FP8, M = 16 (benchmarks/results/h200/fp8_dot_probe*.csv): 64-column tiles at about 2
+        # programs per SM and 128-column ones at about 1 were the fastest on issue 4's shapes, 4-11% faster than
+        # the generic tile (int8 codes: the same tiles, not yet timed on a GPU; the tuner measures them)
         out += dict.fromkeys(f8.Fp8Mma(bn, 128, _split_k(cdiv(N, bn), cdiv(K, 128), sms, per_sm))
                              for bn, per_sm in ((64, 2), (128, 1)))
     if f4s.fits(lay, M, K, x_dtype):
@@ -252,8 +253,9 @@ def min_capability(cfg, lay: PackedLayout | None = None) -> tuple[int, int]:
     below sm_89 too.)"""
     if isinstance(cfg, (f4.Fp4Mma, f4s.Fp4MmaSync)) or getattr(cfg, "tma", False):
         return device_info.HOPPER
-    if isinstance(cfg, f8.Fp8Mma) or (lay is not None and "fp8" in (lay.value, lay.scale_enc)):
-        return device_info.FP8_CAPABILITY
+    if (isinstance(cfg, f8.Fp8Mma) and (lay is None or lay.value == "fp8")) or \
+            (lay is not None and "fp8" in (lay.value, lay.scale_enc)):
+        return device_info.FP8_CAPABILITY  # (fp8_mma on 8-bit integer codes converts no FP8 value)
     return device_info.MIN_CAPABILITY
 
 

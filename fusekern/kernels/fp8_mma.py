@@ -1,9 +1,12 @@
-"""FP8 (e4m3) weights times up to 16 bf16 rows on tensor cores, the MMA in f16.
+"""8-bit weights (FP8 e4m3, int8, uint8) times up to 16 bf16 rows on tensor cores, the MMA in f16.
 
-``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = fp8(q[n, k]) * s[k // GK, n // GN] (* g)``: codes
-float8_e4m3fn ``[N, K]`` along K, float scales per channel, per tensor or per block whose K extent is a multiple
-of the tile's (DeepSeek's 128 x 128), no zero point, an optional one-element global scale g: what
-``fusekern.testing.decode_zoo.fp8_channel``, ``fp8_tensor`` and ``fp8_block`` compute.
+``out[M, N] = x[M, K] @ W + bias`` with ``W[k, n] = (v(q[n, k]) - z - c) * s[k // GK, n // GN] (* g)``: codes
+``[N, K]`` along K, one per byte, read as e4m3 (no zero point) or as a signed / unsigned integer with no zero,
+a constant one c, or one 8-bit integer z per scale group (plus c); float scales per channel, per tensor or per
+block whose K extent is a multiple of the tile's (DeepSeek's 128 x 128), an optional one-element global scale
+g: what ``fusekern.testing.decode_zoo.fp8_channel``, ``fp8_tensor``, ``fp8_block``, ``int8_channel``,
+``int8_group`` and ``int8_group_asym`` compute. An 8-bit integer minus an 8-bit zero and a small constant is
+an integer of magnitude below 2048: exact in f16, as every e4m3 value is, so the MMA's products are exact.
 
 Why: at 2-16 rows FP8 weight-only ran on the generic swap-AB tile (``packed_mm.PackedDot``), which decodes each
 code to fp32, casts it to bf16 for the MMA and sums its K splits in a second launch: 1.66-1.88x the floor at 16
@@ -40,6 +43,7 @@ from fusekern.kernels import replay
 from fusekern.kernels.int4_mma import check_rows_and_bias, split_buffers
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
+from fusekern.kernels.remat import INTERPRETING
 from fusekern.kernels.split_k import add_partials
 from fusekern.patterns.decode.layout import PackedLayout, leaf_strides
 
@@ -55,10 +59,22 @@ class Fp8Mma:
     num_stages: int = 3
 
 
+CODES = {"fp8": 0, "int": 1, "uint": 2}  # the kernel's CODE: how a byte reads
+CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "int": torch.int8, "uint": torch.uint8}
+ZERO_MAX = 256  # |c| at most this (an integer): q - z - c stays an integer below 2048, exact in f16
+
+
 def layout_fits(lay: PackedLayout) -> bool:
-    """e4m3 codes ``[N, K]`` (one per byte, along K), float scales (per channel, tensor or block), no zero."""
-    return (lay.value == "fp8" and lay.per_word == 1 and lay.code_dims == ("n", "k") and lay.zero == ""
-            and lay.scale >= 0 and lay.scale_enc == "float" and set(lay.scale_dims) <= {"n", "k", "1"})
+    """Codes ``[N, K]`` (one per byte, along K), float scales (per channel, tensor or block); e4m3 without a
+    zero point, or 8-bit integers without one, with a constant one, or with an 8-bit integer one per scale
+    group (``check`` verifies the zeros' dtype), the constant an integer of at most ``ZERO_MAX``."""
+    if not (lay.value in CODES and lay.bits == 8 and lay.per_word == 1 and lay.code_dims == ("n", "k")
+            and lay.scale >= 0 and lay.scale_enc == "float" and set(lay.scale_dims) <= {"n", "k", "1"}):
+        return False
+    if lay.value == "fp8" or lay.zero == "":
+        return lay.zero == ""
+    small = float(lay.zero_value).is_integer() and abs(lay.zero_value) <= ZERO_MAX
+    return small and (lay.zero == "const" or (lay.zero == "int" and set(lay.zero_dims) <= {"n", "k", "1"}))
 
 
 def fits(lay: PackedLayout, M: int, K: int, x_dtype=None, block_k: int = 128) -> bool:
@@ -80,9 +96,12 @@ def fp8_mma_kernel(
     M, N, K, stride_xm, sqn, ssk, ssn,
     GK: tl.constexpr, GN: tl.constexpr, SCALE_PER_TILE: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, z_ptr=None, szk=0, szn=0, CODE: tl.constexpr = 0, HAS_ZERO: tl.constexpr = False,
+    C: tl.constexpr = 0.0,
 ):
-    """One column tile over one K slice: ``out^T[BLOCK_N, BLOCK_M] = sum over K tiles of (W^T x^T) * 2**-e * s``."""
+    """One column tile over one K slice: ``out^T[BLOCK_N, BLOCK_M] = sum over K tiles of (W^T x^T) * 2**-e * s``.
+    CODE (``CODES``): the bytes as e4m3, int8 or uint8; HAS_ZERO: an 8-bit integer zero per scale group at z_ptr
+    (strides szk, szn); C: a constant taken off the integer codes too."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +127,8 @@ def fp8_mma_kernel(
         u1 = (14 - e) >> 1
         u2 = (14 - e) - u1
         xs = xt * _pow2(u1)[None, :] * _pow2(u2)[None, :]
-        d = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.float16), xs.to(tl.float16))
+        d = tl.dot(_codes_f16(w, z_ptr, t * BLOCK_K, offs_n, nmask, szk, szn, GK, GN, CODE, HAS_ZERO, C),
+                   xs.to(tl.float16))
         if SCALE_PER_TILE:  # block scales: the group holding this tile
             s = tl.load(s_ptr + ((t * BLOCK_K) // GK) * ssk + (offs_n // GN) * ssn, mask=nmask, other=0).to(tl.float32)
         # the scale before the power of two: the tile's sum overflows fp32 only where its true value does
@@ -123,6 +143,43 @@ def fp8_mma_kernel(
             _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
     else:
         _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
+
+
+@triton.jit
+def _codes_f16(w, z_ptr, k0, offs_n, nmask, szk, szn, GK: tl.constexpr, GN: tl.constexpr, CODE: tl.constexpr,
+               HAS_ZERO: tl.constexpr, C: tl.constexpr):
+    """The tile's bytes ([BLOCK_N, BLOCK_K] uint8) as exact f16 values: e4m3, or an integer minus its zero."""
+    if CODE == 0:
+        v = w.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        v = _bytes_f16(w, CODE == 1)
+        if HAS_ZERO:  # the group holding this tile (groups hold whole tiles), one 8-bit integer per column
+            z = tl.load(z_ptr + (k0 // GK) * szk + (offs_n // GN) * szn, mask=nmask, other=0).to(tl.float16)
+            v = (v - (z + C).to(tl.float16)[:, None]).to(tl.float16)
+        elif C != 0:
+            v = (v - C).to(tl.float16)
+    return v
+
+
+@triton.jit
+def _bytes_f16(w, SIGNED: tl.constexpr):
+    """uint8 bytes as f16 integers, read as int8 (SIGNED) or uint8. On the GPU, four at a time by the
+    magic-number trick: one PRMT puts two bytes under f16's exponent of 1024 (0x64XX is 1024 + XX exactly),
+    one packed subtraction of 1024 (1152 for int8, whose bytes were offset by 128 with one XOR) leaves the
+    integers: 5 instructions per 4 values, where Triton's own conversion takes an I2F per value and PRMTs."""
+    if INTERPRETING:
+        if SIGNED:
+            v = w.to(tl.int8, bitcast=True).to(tl.float16)
+        else:
+            v = w.to(tl.float16)
+    else:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; "
+            + ("xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480; " if SIGNED else "mov.b32 t, $2; mov.b32 k, 0x64006400; ")
+            + "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+            "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
+            "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
+    return v
 
 
 @triton.jit
@@ -150,8 +207,9 @@ _LEAVES_OK = LeafCache()  # leaf sets already checked for a layout and shape
 def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mma, bias=None) -> None:
     """Bad input gets a clear error (the dispatcher then skips this kernel for the shape)."""
     if not layout_fits(lay):
-        raise ValueError("fp8_mma: the kernel reads e4m3 codes [N, K] with float scales per channel, tensor or "
-                         "block and no zero point (see layout_fits)")
+        raise ValueError("fp8_mma: the kernel reads e4m3 or 8-bit integer codes [N, K] with float scales per "
+                         "channel, tensor or block, and for integers at most an 8-bit zero point per scale group "
+                         "(see layout_fits)")
     check_rows_and_bias("fp8_mma", x, M_MAX, K, N, bias)
     if not _whole_tiles(lay, K, cfg.BLOCK_K) or cfg.SPLIT_K < 1 or cfg.num_warps not in (4, 8):
         raise ValueError(f"fp8_mma: scale groups of {lay.group_k} along K = {K} and {cfg} do not fit (a group "
@@ -159,9 +217,11 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
     key = (lay, K, N, x.device)
     if _LEAVES_OK.get(key, leaves) is None:  # the same weight tensors come back every token
         codes, scales = leaves[lay.code], leaves[lay.scale]
-        if tuple(codes.shape) != (N, K) or codes.stride(1) != 1 or codes.dtype != torch.float8_e4m3fn:
+        want_dtype = CODE_DTYPES[lay.value]
+        if tuple(codes.shape) != (N, K) or codes.stride(1) != 1 or codes.dtype != want_dtype:
             raise ValueError(f"fp8_mma: the codes are {codes.dtype} {tuple(codes.shape)} with strides "
-                             f"{codes.stride()}, the kernel reads float8_e4m3fn [{N}, {K}] with unit stride along K")
+                             f"{codes.stride()}, the kernel reads {str(want_dtype).removeprefix('torch.')} [{N}, {K}] "
+                             f"with unit stride along K")
         if not scales.is_floating_point() or scales.element_size() < 2:
             raise ValueError(f"fp8_mma: the scales must be a 16-, 32- or 64-bit float tensor, got {scales.dtype}")
         size = {"n": cdiv(N, lay.group_n), "k": cdiv(K, lay.group_k), "1": 1}
@@ -170,6 +230,14 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
             raise ValueError(f"fp8_mma: the scales are {tuple(scales.shape)}, the layout's {lay.scale_dims} over "
                              f"[{N}, {K}] in groups of {lay.group_n} x {lay.group_k} make {want}")
         leaf_list = [codes, scales] + ([leaves[lay.glob]] if lay.glob >= 0 else [])
+        if lay.zero == "int":
+            zeros = leaves[lay.zero_leaf]
+            zwant = tuple(size[d] for d in lay.zero_dims)
+            if zeros.dtype not in (torch.int8, torch.uint8) or tuple(zeros.shape) != zwant:
+                raise ValueError(f"fp8_mma: the zero points must be int8 or uint8 {zwant} (the layout's "
+                                 f"{lay.zero_dims} in groups of {lay.group_n} x {lay.group_k}), got {zeros.dtype} "
+                                 f"{tuple(zeros.shape)}")
+            leaf_list.append(zeros)
         if lay.glob >= 0:
             g = leaves[lay.glob]
             if g.numel() != 1 or not g.is_floating_point():
@@ -197,10 +265,14 @@ def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8
     s = leaves[lay.scale]
     g = leaves[lay.glob] if lay.glob >= 0 else s
     ssk, ssn = leaf_strides(s, lay.scale_dims)
+    z = leaves[lay.zero_leaf] if lay.zero == "int" else None
+    szk, szn = leaf_strides(z, lay.zero_dims)
     launch = replay.launch(fp8_mma_kernel, (tiles_n, cfg.SPLIT_K), (
         x, q, s, g, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), q.stride(0), ssk, ssn),
         dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=lay.glob >= 0,
              HAS_BIAS=bias is not None, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+             z_ptr=z if z is not None else q, szk=szk, szn=szn, CODE=CODES[lay.value], HAS_ZERO=z is not None,
+             C=float(lay.zero_value) if lay.zero in ("const", "int") else 0.0,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if bias is not None else 0))
@@ -211,8 +283,9 @@ def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8
 
 
 def aot_builds():
-    """The configs the dispatcher offers at N = K = 8192, M = 16, for FP8 per channel and in 128 x 128 blocks
-    (one split per variant: the split does not change the loop)."""
+    """The configs the dispatcher offers at N = K = 8192, M = 16, for FP8 per channel and in 128 x 128 blocks,
+    and int8 in groups of 128 without and with 8-bit zero points (one split per variant: the split does not
+    change the loop)."""
     from fusekern.kernels import decode_mm as dm
     from fusekern.kernels.catalog import TritonBuild
     from fusekern.kernels.packed_mm import REPORT_LAYOUTS
@@ -220,15 +293,22 @@ def aot_builds():
     N = K = 8192
     channel = REPORT_LAYOUTS["fp8_channel"][0]
     block = dataclasses.replace(channel, scale_dims=("n", "k"), group_k=128, group_n=128)
+    int8 = dataclasses.replace(channel, value="int", scale_dims=("n", "k"), group_k=128)
+    int8_zero = dataclasses.replace(int8, zero="int", zero_leaf=2, zero_dims=("n", "k"))
     builds = []
-    for name, lay, ssk, ssn in (("fp8_channel", channel, 0, 1), ("fp8_block", block, 1, K // 128)):
+    for name, lay, ssk, ssn in (("fp8_channel", channel, 0, 1), ("fp8_block", block, 1, K // 128),
+                                ("int8_group", int8, 1, K // 128), ("int8_group_asym", int8_zero, 1, K // 128)):
         for cfg in dm._packed_candidates(16, N, K, 132, lay):
             if isinstance(cfg, Fp8Mma):
                 args = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", g_ptr="*fp32", bias_ptr="*bf16",
                             out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M=3, N=N, K=K, stride_xm=K, sqn=K,
                             ssk=ssk, ssn=ssn)
+                # (without zero points the launcher passes the codes and zero strides for them)
+                args.update(z_ptr="*i8", szk=1, szn=K // 128) if lay.zero == "int" else args.update(
+                    z_ptr="*u8", szk=0, szn=0)
                 ce = dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=False,
-                          HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+                          HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                          CODE=CODES[lay.value], HAS_ZERO=lay.zero == "int", C=0.0)
                 builds.append(TritonBuild("fp8_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
                                           f"w{cfg.num_warps} s{cfg.num_stages} M=16 [{N}x{K}]", fp8_mma_kernel, args,
                                           ce, cfg.num_warps, cfg.num_stages))
