@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+import time
 
 import torch
 import triton.testing
@@ -65,6 +66,19 @@ class RowWriter:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def per_call_us(f, args, calls: int, warmup: int = 0) -> float:
+    """Host wall time per call of back-to-back calls, after ``warmup`` calls (host-bound work: the GPU queue
+    never drains)."""
+    for _ in range(warmup):
+        f(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def git_sha() -> str:

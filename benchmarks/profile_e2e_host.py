@@ -12,26 +12,15 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions  # noqa: E402
+from bench_common import RowWriter, per_call_us, versions  # noqa: E402
 from bench_e2e_decode import layers_fn  # noqa: E402
 
 import fusekern  # noqa: E402,F401  (registers the backend)
 from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, Decoder  # noqa: E402
-
-
-def per_call_us(f, args, calls: int) -> float:
-    """Wall time per call of back-to-back calls (the GPU queue never drains at B = 1 if host-bound)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def launches(f, args) -> dict:

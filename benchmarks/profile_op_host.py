@@ -11,26 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions  # noqa: E402
+from bench_common import RowWriter, per_call_us, versions  # noqa: E402
 
 import fusekern  # noqa: E402,F401  (registers the backend)
 from fusekern.testing import decode_zoo as zoo  # noqa: E402
-
-
-def per_call_us(f, args, calls: int) -> float:
-    for _ in range(50):
-        f(*args)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():
@@ -69,7 +57,7 @@ def main():
         out, info = RowWriter(args.csv), versions()
         for name, (f, a) in ways.items():
             for rep in range(2):
-                us = per_call_us(f, a, args.calls)
+                us = per_call_us(f, a, args.calls, warmup=50)
                 print(f"{name:18s} pass {rep}: {us:7.2f} us per call", flush=True)
                 out.write(dict(format=args.format, M=args.rows, N=N, K=K, way=name, timing_pass=rep,
                                us_per_call=round(us, 2), **info))
