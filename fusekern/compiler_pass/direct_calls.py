@@ -15,7 +15,7 @@ namespace for extern kernels, which every wrapper module imports and which ``Ext
 the same way. That entry runs the op's CUDA function where the dispatcher would run it: the op's first
 tensor argument on CUDA (every fusekern op's inputs share its device), no dispatch mode active (fake
 tensors, FlopCounterMode...), the profiler off (its trace names the op), no input asking for gradients
-under grad mode (the dispatcher would refuse). Otherwise, and in the C++ wrapper (AOTInductor), the
+under grad mode (the dispatcher's autograd fallback handles that: the ops have no derivative). Otherwise, and in the C++ wrapper (AOTInductor), the
 line goes through ``torch.ops`` as before.
 """
 from __future__ import annotations
