@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
-from fusekern.kernels.layout_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
+from fusekern.kernels.layout_replay import OUT, call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.fp8_kv_attention import (
     LOG2E, Q_DTYPES, _merge_splits, _query_rows, check_decode_shapes, padded_rows, split_chunk, split_plan,
@@ -287,8 +287,8 @@ def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None, record=None)
         dict(D=D, ROWS=padded_rows(rows), BLOCK_S=block, SPLIT=splits > 1, MASK=code,
              num_warps=NUM_WARPS, num_stages=NUM_STAGES), record is not None)
     split = splits > 1
-    sources = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "m_ptr": 3 if mv is not None else OUT, "out_ptr": OUT,
-               "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
+    sources = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "m_ptr": 3 if mv is not None else OUT,
+               **output_slots(split, ("ws_acc_ptr", "ws_ml_ptr"))}
     record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
     return out
 

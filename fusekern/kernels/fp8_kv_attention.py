@@ -59,7 +59,7 @@ import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
-from fusekern.kernels.layout_replay import ACC, ML, OUT, call_key, record_if_direct, recorder
+from fusekern.kernels.layout_replay import call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.remat import INTERPRETING
@@ -541,8 +541,8 @@ def _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, nu
              KS_ROUND=ROUND_CODES[k_scale_round], VS_ROUND=ROUND_CODES[v_scale_round],
              num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG), record is not None)
     split = splits > 1
-    sources = {"q_ptr": 0, "kw_ptr": 1, "ks_ptr": 2, "vw_ptr": 3, "vs_ptr": 4, "out_ptr": OUT,
-               "ws_acc_ptr": ACC if split else OUT, "ws_ml_ptr": ML if split else OUT, **({} if split else {"cnt_ptr": OUT})}
+    sources = {"q_ptr": 0, "kw_ptr": 1, "ks_ptr": 2, "vw_ptr": 3, "vs_ptr": 4,
+               **output_slots(split, ("ws_acc_ptr", "ws_ml_ptr"))}
     if isinstance(v_scale, torch.Tensor):  # (a number is made a tensor per call: nothing to replay into)
         record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
     return out

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from fusekern.kernels import replay
-from fusekern.kernels.split_counters import stream_of
 
 
 @dataclass(frozen=True)
@@ -29,18 +28,24 @@ class New:
     i: int
 
 
-OUT, ACC, ML = New(0), New(1), New(2)  # the attention ops' output and split workspaces
+OUT = New(0)
 _MAX_ENTRIES = 4096
+
+
+def output_slots(split: bool, workspaces: tuple[str, str]) -> dict:
+    """The sources of a split-reduction launch's output, workspace and counter slots: split, the output and two
+    fresh workspaces (``New`` 0, 1, 2) and the recorded per-stream counters; unsplit, every one of them takes the
+    output, as the launchers pass it (``split_plan``)."""
+    if split:
+        return {"out_ptr": OUT, workspaces[0]: New(1), workspaces[1]: New(2)}
+    return {"out_ptr": OUT, workspaces[0]: OUT, workspaces[1]: OUT, "cnt_ptr": OUT}
 
 
 def call_key(tensors, *scalars) -> tuple:
     """What a recorded launch assumed of a call (module docstring); the stream's raw handle comes last."""
     parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
              for t in tensors]
-    device = tensors[0].device
-    if device.type != "cuda":
-        return (*parts, *scalars, -1, 0)
-    return (*parts, *scalars, replay._current_device(), stream_of(device))
+    return (*parts, *scalars, *replay.device_key(tensors[0].device))
 
 
 class LayoutReplay:

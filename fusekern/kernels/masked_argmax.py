@@ -24,7 +24,7 @@ from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.intmath import cdiv, next_power_of_2
-from fusekern.kernels.layout_replay import New, call_key, record_if_direct, recorder
+from fusekern.kernels.layout_replay import call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.split_counters import split_counters
 
 KERNEL_VERSION = "masked_argmax-4"
@@ -247,9 +247,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
              SPLIT_BLOCK=split_block, num_warps=warps or warps_for(B, logits.device)), record is not None)
     # slots: each input's own address, or the output where an input is absent (as above)
     sources = {"x_ptr": 0, "t_ptr": 1 if t_tensor else 0, "banned_ptr": 2 if banned is not None else 0,
-               "mask_ptr": 3 if mask is not None else 0, "out_ptr": New(0),
-               **({"ws_v_ptr": New(1), "ws_i_ptr": New(2)} if split > 1 else
-                  {"ws_v_ptr": New(0), "ws_i_ptr": New(0), "cnt_ptr": New(0)})}
+               "mask_ptr": 3 if mask is not None else 0, **output_slots(split > 1, ("ws_v_ptr", "ws_i_ptr"))}
     record_if_direct(record, launch, sources, given, (out, ws_v, ws_i) if split > 1 else (out,))
     return out
 

@@ -146,7 +146,12 @@ def x_key(x: torch.Tensor) -> tuple:
     stream's raw handle comes last (``Replay`` launches on it). Read once per call of a decode op: each
     step here costs a C call from Python."""
     device = x.device
+    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0, *device_key(device))
+
+
+def device_key(device: torch.device) -> tuple[int, int]:
+    """(the current device, the raw handle of ``device``'s current stream), (-1, 0) off CUDA: the end of every
+    replay key (the kernel was loaded on that device; the split counters it holds are that stream's)."""
     if device.type != "cuda":
-        return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0, -1, 0)
-    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0, _current_device(),
-            stream_of(device))
+        return -1, 0
+    return _current_device(), stream_of(device)
