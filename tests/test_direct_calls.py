@@ -78,8 +78,7 @@ def test_install_is_idempotent_and_keeps_inductors_layout_constraint():
     direct_calls.install()
     assert L.lowerings[DECODE_MM] is first and first._fusekern_direct
     assert L.maybe_layout_constraints(DECODE_MM) is not None  # as inductor's own fallback for a custom op
-    for op in direct_calls.direct_ops():
-        name, fn = direct_calls._ENTRIES[op]
+    for op, (name, fn) in direct_calls._ENTRIES.items():
         entry = getattr(extern_kernels, name)
         assert entry.args == (op, fn) and L.lowerings[op]._fusekern_direct
 

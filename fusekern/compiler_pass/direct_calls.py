@@ -107,7 +107,3 @@ def _direct_lowering(op, name: str, fallback):
     lower._fusekern_direct = True
     lower._is_fallback_handler = getattr(fallback, "_is_fallback_handler", False)
     return lower
-
-
-def direct_ops() -> list:
-    return list(_ENTRIES)

@@ -253,8 +253,7 @@ def min_capability(cfg, lay: PackedLayout | None = None) -> tuple[int, int]:
     below sm_89 too.)"""
     if isinstance(cfg, (f4.Fp4Mma, f4s.Fp4MmaSync)) or getattr(cfg, "tma", False):
         return device_info.HOPPER
-    if (isinstance(cfg, f8.Fp8Mma) and (lay is None or lay.value == "fp8")) or \
-            (lay is not None and "fp8" in (lay.value, lay.scale_enc)):
+    if (lay is not None and "fp8" in (lay.value, lay.scale_enc)) or (lay is None and isinstance(cfg, f8.Fp8Mma)):
         return device_info.FP8_CAPABILITY  # (fp8_mma on 8-bit integer codes converts no FP8 value)
     return device_info.MIN_CAPABILITY
 

@@ -303,9 +303,10 @@ def aot_builds():
                 args = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", g_ptr="*fp32", bias_ptr="*bf16",
                             out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M=3, N=N, K=K, stride_xm=K, sqn=K,
                             ssk=ssk, ssn=ssn)
-                # (without zero points the launcher passes the codes and zero strides for them)
-                args.update(z_ptr="*i8", szk=1, szn=K // 128) if lay.zero == "int" else args.update(
-                    z_ptr="*u8", szk=0, szn=0)
+                if lay.zero == "int":
+                    args.update(z_ptr="*i8", szk=1, szn=K // 128)
+                else:  # (the launcher passes the codes and zero strides in the zeros' place)
+                    args.update(z_ptr="*u8", szk=0, szn=0)
                 ce = dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, HAS_GLOBAL=False,
                           HAS_BIAS=False, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                           CODE=CODES[lay.value], HAS_ZERO=lay.zero == "int", C=0.0)
