@@ -15,6 +15,7 @@ from fusekern.kernels import decode_attention as A
 from fusekern.kernels import fp8_kv_attention as F
 from fusekern.kernels import masked_argmax as MA
 from fusekern.kernels import replay
+from fusekern.kernels import sampler as S
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -224,3 +225,77 @@ def test_gpu_replays_are_the_paths_bits(ops, B, S):
         logits, t, ids, m = _greedy_inputs(B, 128256, seed, "rows", True, True)
         got = MA._masked_argmax_cuda(logits, t, 1.0, ids, m)
         assert len(MA._REPLAYS) == 1 and torch.equal(got, MA.masked_argmax_triton(logits, t, ids, m))
+
+
+def _sample_inputs(B, V, seed, rows: bool, given_seed: bool):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, V, generator=g)).to(DEVICE, BF16)
+    t = (torch.rand(B, 1, generator=g) + 0.5).to(DEVICE) if rows else None
+    k = torch.randint(5, 60, (B,), generator=g).to(DEVICE) if rows else None
+    s = torch.randint(0, 2**40, (1,), generator=g).to(DEVICE) if given_seed else None
+    return logits, t, k, s
+
+
+# (temperature, top_k, top_p, min_p): scalars as the rewrite passes them where no tensor is given
+SAMPLE_SCALARS = {"top_k_top_p": (0.8, 50, 0.9, 0.0), "temperature_only": (0.7, 2**31 - 1, 1.0, 0.0),
+                  "min_p": (1.0, 2**31 - 1, 1.0, 0.05)}
+
+
+@pytest.mark.parametrize("filters", list(SAMPLE_SCALARS))
+@pytest.mark.parametrize("rows,given_seed", [(False, False), (True, True)], ids=["scalars_drawn_seed", "rows_seed"])
+def test_sample_replays_the_same_layouts(ops, monkeypatch, filters, rows, given_seed):
+    """The seed's draw (from torch's generator, as the op's path draws it) and both launches replay: the
+    same tokens as the op's path for other logits, parameters and seeds of the same layouts."""
+    monkeypatch.setattr(S, "_REPLAYS", {})
+    runs, run = _counting(monkeypatch, S, "sample_triton")
+    T, k, p, m = SAMPLE_SCALARS[filters]
+    B, V = 3, 1500
+
+    def op(logits, t, top_k, seed, **kw):
+        return S._sample_cuda(logits, t, T, top_k, k, None, p, None, m, seed, **kw)
+
+    op(*_sample_inputs(B, V, 0, rows, given_seed))
+    assert len(runs) == 1 and len(S._REPLAYS) == 1
+    for draw in (1, 2):
+        inputs = _sample_inputs(B, V, draw, rows, given_seed)
+        torch.manual_seed(draw)
+        got = op(*inputs)
+        assert len(runs) == 1
+        torch.manual_seed(draw)
+        logits, t, top_k, seed = inputs
+        want = run(logits, **S._unpack(logits, t, T, top_k, k, None, p, None, m, False), seed=seed)
+        assert torch.equal(got, want)
+    op(*_sample_inputs(B, V, 3, rows, given_seed), out_dtype=torch.int32)  # another output dtype: a miss
+    assert len(runs) == 2
+
+
+def test_sample_with_a_cpu_parameter_is_not_recorded(ops, monkeypatch):
+    """A one-value CPU top-p is read into a kernel argument: a replay would keep the first value."""
+    if DEVICE != "cuda":
+        pytest.skip("a CPU parameter is read into an argument only beside GPU logits")
+    monkeypatch.setattr(S, "_REPLAYS", {})
+    runs, _ = _counting(monkeypatch, S, "sample_triton")
+    logits = _sample_inputs(2, 1500, 0, False, False)[0]
+    for _ in range(2):
+        S._sample_cuda(logits, None, 1.0, None, 50, torch.tensor([0.9]), 1.0, None, 0.0, None)
+    assert len(runs) == 2 and not S._REPLAYS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B", [1, 8, 256])  # 256: step 2 is a programmatic dependent launch (Hopper)
+def test_gpu_sample_replays_are_the_paths_tokens(ops, monkeypatch, B):
+    """The demo's vocabulary: a replay (seed drawn from torch's generator, two launches, PDL at B = 256)
+    draws the op's path's tokens under the same generator state, into outputs and workspaces the replay
+    allocates (a pool filled with -1 bytes first, so a slot left unwritten shows)."""
+    monkeypatch.setattr(S, "_REPLAYS", {})
+    S._sample_cuda(_sample_inputs(B, 128256, 0, False, False)[0], None, 0.8, None, 50, None, 0.9, None, 0.0, None)
+    rep, = S._REPLAYS.values()
+    for draw in (1, 2):
+        logits = _sample_inputs(B, 128256, draw, False, False)[0]
+        torch.full((64 * B * 1024,), -1, dtype=torch.int64, device=DEVICE)  # (freed: the pool holds -1)
+        torch.manual_seed(draw)
+        got = S._sample_cuda(logits, None, 0.8, None, 50, None, 0.9, None, 0.0, None)
+        assert len(S._REPLAYS) == 1 and next(iter(S._REPLAYS.values())) is rep
+        torch.manual_seed(draw)
+        assert torch.equal(got, S.sample_triton(logits, 0.8, 50, 0.9, seed=None))

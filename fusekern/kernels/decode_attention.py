@@ -289,7 +289,7 @@ def _launch(q, k, v, mask, sm_scale, masked_value, num_splits=None, record=None)
     split = splits > 1
     sources = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "m_ptr": 3 if mv is not None else OUT,
                **output_slots(split, ("ws_acc_ptr", "ws_ml_ptr"))}
-    record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
+    record_if_direct(record, [(launch, sources)], given, (out, ws_acc, ws_ml) if split else (out,))
     return out
 
 

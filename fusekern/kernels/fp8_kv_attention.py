@@ -544,7 +544,7 @@ def _run(q, k8, k_scale, v8, v_scale, sm_scale, k_scale_round, v_scale_round, nu
     sources = {"q_ptr": 0, "kw_ptr": 1, "ks_ptr": 2, "vw_ptr": 3, "vs_ptr": 4,
                **output_slots(split, ("ws_acc_ptr", "ws_ml_ptr"))}
     if isinstance(v_scale, torch.Tensor):  # (a number is made a tensor per call: nothing to replay into)
-        record_if_direct(record, launch, sources, given, (out, ws_acc, ws_ml) if split else (out,))
+        record_if_direct(record, [(launch, sources)], given, (out, ws_acc, ws_ml) if split else (out,))
     return out
 
 

@@ -49,31 +49,39 @@ def call_key(tensors, *scalars) -> tuple:
 
 
 class LayoutReplay:
-    """A recorded launch: ``sources`` maps kernel argument names to an input's position in the op's tensors
-    or to a ``New`` buffer; ``buffers`` holds each new buffer's (shape, dtype). Returns buffer 0."""
+    """Recorded launches, run in order into the same new buffers: ``steps`` holds (launch, sources) pairs,
+    ``sources`` mapping kernel argument names to an input's position in the op's tensors or to a ``New``
+    buffer; ``buffers`` holds each new buffer's (shape, dtype); ``prepare(made)``, where given, fills new
+    buffers before the first launch (the sampler's seed draw) and holds no tensor. Returns buffer 0."""
 
-    def __init__(self, launch: replay.Launch, sources: dict, buffers: list):
-        self.launch, self.buffers = launch, buffers
-        self.slots = launch.slots(*sources)
-        self.sources = tuple(sources.values())
+    def __init__(self, steps, buffers: list, prepare=None):
+        self.buffers, self.prepare = buffers, prepare
+        self.steps = tuple((launch, launch.slots(*sources), tuple(sources.values())) for launch, sources in steps)
 
     def __call__(self, tensors, stream: int | None = None) -> torch.Tensor:
         device = tensors[0].device
         made = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
-        self.launch.run(self.slots, [made[s.i] if isinstance(s, New) else tensors[s] for s in self.sources], stream)
+        if self.prepare is not None:
+            self.prepare(made)
+        for launch, slots, sources in self.steps:
+            launch.run(slots, [made[s.i] if isinstance(s, New) else tensors[s] for s in sources], stream)
         return made[0]
 
 
-def record_if_direct(record, launch: replay.Launch | None, sources: dict, tensors, buffers) -> None:
-    """Hand ``record`` the replay of ``launch`` if every input slot got the op's tensor itself (the same
-    address; otherwise the launch ran on a copy the replay would not make). ``buffers``: the launch's new
-    buffers, in ``New`` order (their shapes and dtypes are kept)."""
-    if record is None or launch is None or not launch.replayable:
+def record_if_direct(record, steps, tensors, buffers, prepare=None) -> None:
+    """Hand ``record`` the replay of ``steps`` ((launch, sources) pairs, ``LayoutReplay``) if every launch was
+    recorded and every input slot got the op's tensor itself (the same address; otherwise the launch ran
+    on a copy the replay would not make). ``buffers``: the launches' new buffers, in ``New`` order (their
+    shapes and dtypes are kept)."""
+    if record is None:
         return
-    for name, s in sources.items():
-        if not isinstance(s, New) and _address(launch.args[launch.index[name]]) != tensors[s].data_ptr():
+    for launch, sources in steps:
+        if launch is None or not launch.replayable:
             return
-    record(LayoutReplay(launch, sources, [(tuple(b.shape), b.dtype) for b in buffers]))
+        for name, s in sources.items():
+            if not isinstance(s, New) and _address(launch.args[launch.index[name]]) != tensors[s].data_ptr():
+                return
+    record(LayoutReplay(steps, [(tuple(b.shape), b.dtype) for b in buffers], prepare))
 
 
 def _address(arg) -> int:

@@ -248,7 +248,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     # slots: each input's own address, or the output where an input is absent (as above)
     sources = {"x_ptr": 0, "t_ptr": 1 if t_tensor else 0, "banned_ptr": 2 if banned is not None else 0,
                "mask_ptr": 3 if mask is not None else 0, **output_slots(split > 1, ("ws_v_ptr", "ws_i_ptr"))}
-    record_if_direct(record, launch, sources, given, (out, ws_v, ws_i) if split > 1 else (out,))
+    record_if_direct(record, [(launch, sources)], given, (out, ws_v, ws_i) if split > 1 else (out,))
     return out
 
 

@@ -35,14 +35,17 @@ Read top to bottom: heuristics -> Triton kernels -> launcher -> builds -> refere
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
+from fusekern.kernels import replay
 from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
+from fusekern.kernels.layout_replay import OUT, New, call_key, record_if_direct, recorder
 
 KERNEL_VERSION = "sampler-9"
 
@@ -876,6 +879,7 @@ def sample_triton(
     pivot_fan: int | None = None,
     step1_only: bool = False,
     min_p_first: bool = False,
+    record=None,
 ):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B] (or ``out``: int64 or int32 [B]).
 
@@ -900,8 +904,13 @@ def sample_triton(
     commute: each keeps the largest x down to a bound.)
     ``step1_only`` (tests and profiling, with a filter): runs step 1 alone and returns, instead of tokens,
     each chunk's threshold key and count of tokens at or above it ([B, C] int32) and its candidate slots
-    ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed)."""
+    ([B, C, slots] int64: raw-logit key << 32 | token; a count above the slots means it overflowed).
+    ``record`` (the op's): called with a ``layout_replay.LayoutReplay`` of the two launches (and the seed's
+    draw) where they can replay."""
     check_args(logits, seed)
+    given = (logits, temperature, top_k, top_p, min_p, seed)
+    if noise is not None or step1_only:
+        record = None
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -923,6 +932,9 @@ def sample_triton(
     topk, stride_k, k_scalar = _row_arg(top_k if has_k else V, B, dev, "top_k", _clamp_k)
     topp, stride_p, p_scalar = _row_arg(top_p if has_p else 1.0, B, dev, "top_p", float)
     minp, stride_m, m_scalar = _row_arg(min_p if has_m else 0.0, B, dev, "min_p", float)
+    if any(isinstance(v, torch.Tensor) and t is None for v, t in ((temperature, temp), (top_k, topk), (top_p, topp),
+                                                                  (min_p, minp))):
+        record = None  # (a value read from a tensor into a kernel argument: a replay would keep this call's)
     block = block or chunk_block(B, V)
     sms = sm_count(dev)
     span = span or chunk_span(B, V, block, sms)
@@ -984,14 +996,34 @@ def sample_triton(
     if draw:  # (on the current stream: step 1 races with it without a filter, PDL, the CPU interpreter)
         with torch.cuda.stream(side) if drawn_aside else contextlib.nullcontext():
             seed.random_(0, SEED_BOUND)
-    _sample_kernel[(B, C)](*args, FINISH=False, **meta, num_warps=warps)
+    rec = record is not None
+    step1 = replay.launch(_sample_kernel, (B, C), args, dict(FINISH=False, **meta, num_warps=warps), rec)
     if drawn_aside:
         cur.wait_stream(side)
     if step1_only:
         return i32[0], i32[1], cand.view(B, C, slots)
     launch = {"launch_pdl": True} if pdl else {}  # only compiled kernels take the option
-    _sample_kernel[(B,)](*args, FINISH=True, **meta, num_warps=finish_warps or finish_warps_for(key_bits), **launch)
+    step2 = replay.launch(_sample_kernel, (B,), args, dict(
+        FINISH=True, **meta, num_warps=finish_warps or finish_warps_for(key_bits), **launch), rec)
+    if rec:
+        # Every slot either takes an input (where the kernel reads it) or a fresh buffer, in this order: the
+        # output, the four int32 and two float32 [B, C] rows, the winners, the candidates, a drawn seed.
+        # Where a parameter is a scalar, its pointer's placeholder is a workspace the kernel does not read.
+        sources = {"logits_ptr": 0, "temp_ptr": 1 if temp is not None else New(5),
+                   "topk_ptr": 2 if topk is not None else New(1), "topp_ptr": 3 if topp is not None else New(5),
+                   "minp_ptr": 4 if minp is not None else New(5), "seed_ptr": New(9) if draw else 5,
+                   "noise_ptr": New(5), "thr_ptr": New(1), "cnt_ptr": New(2), "rmax_ptr": New(3),
+                   "bad_ptr": New(4), "max_ptr": New(5), "sum_ptr": New(6), "best_ptr": New(7), "cand_ptr": New(8),
+                   "out_ptr": OUT}
+        buffers = (out, *i32, *f32, best, cand, *((seed,) if draw else ()))
+        record_if_direct(record, [(step1, sources), (step2, sources)], given, buffers,
+                         functools.partial(_draw_seed, 9) if draw else None)
     return out
+
+
+def _draw_seed(i: int, made: list) -> None:
+    """A replay's seed draw into its new buffer ``i`` (as ``sample_triton`` draws it outside a capture)."""
+    made[i].random_(0, SEED_BOUND)
 
 
 # ----------------------------------------------------------------------------- builds for the report
@@ -1154,12 +1186,23 @@ def _unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
     )
 
 
+_REPLAYS: dict = {}  # the call's layouts and scalars (layout_replay.call_key) -> the launches to replay
+
+
 def _sample_cuda(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p, top_p_scalar,
                  min_p, min_p_scalar, seed, out_dtype=None, min_p_first=False):
-    """One token per row: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, fused."""
+    """One token per row: temperature -> top-k -> top-p -> min-p -> softmax -> exponential race, fused.
+    Calls after the first with the same layouts and scalars replay its seed draw and two launches
+    (``layout_replay``)."""
+    tensors = (logits, temperature, top_k, top_p, min_p, seed)
+    key = call_key(tensors, temperature_scalar, top_k_scalar, top_p_scalar, min_p_scalar, out_dtype, min_p_first)
+    rep = _REPLAYS.get(key)
+    if rep is not None:
+        return rep(tensors, key[-1])
     out = torch.empty(logits.shape[0], dtype=out_dtype or torch.int64, device=logits.device)
     return sample_triton(logits, **_unpack(logits, temperature, temperature_scalar, top_k, top_k_scalar, top_p,
-                                           top_p_scalar, min_p, min_p_scalar, min_p_first), seed=seed, out=out)
+                                           top_p_scalar, min_p, min_p_scalar, min_p_first), seed=seed, out=out,
+                         record=recorder(_REPLAYS, key))
 
 
 torch.library.impl("fusekern::sample", "CUDA")(_sample_cuda)  # (kept callable: tests, direct_calls)
