@@ -105,6 +105,62 @@ def test_tied_keys_at_the_cuts_match_reference(dtype, name, pivot_fan):
     assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **filters).tolist()
 
 
+def tied_logits(B, V, dtype, seed=0):
+    """Logits on a coarse grid (quarters): tie groups of many tokens everywhere, top-p cuts inside them."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.round(torch.randn(B, V, generator=g) * 12) / 4).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=50, top_p=0.9), dict(top_p=0.9), dict(top_p=0.5),
+                                     dict(top_k=50, top_p=0.8, min_p=0.001)], ids=str)
+def test_kept_set_is_hugging_faces_on_ties(filters, monkeypatch):
+    """On rows whose top-p cut falls inside a tie group, the reference keeps as many tokens per row as
+    Hugging Face's warpers, and the same ones as its code with a stable sort (whose ascending order puts a
+    tie group's highest token indices last, where they stay). HF's own sort is not stable (torch.sort's
+    default): which members of the group it keeps is its sort's choice, not a rule."""
+    from fusekern.testing.sampling_chains import hf_warpers
+
+    x = tied_logits(16, 3000, torch.float32, seed=3).cpu()
+    args = (x, None, filters.get("top_k"), filters["top_p"], filters.get("min_p"))
+    hf = hf_warpers(*args) > -float("inf")
+    kept = S.kept_mask(x.double(), filters.get("top_k"), filters["top_p"], filters.get("min_p"))
+    assert torch.equal(kept.sum(-1), hf.sum(-1))
+    sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sort(*a, **k, stable=True))
+    hf_stable = hf_warpers(*args) > -float("inf")
+    assert torch.equal(kept, hf_stable), (kept != hf_stable).nonzero().tolist()
+    cut_in_group = ((x >= torch.where(hf, x, float("inf")).amin(-1, keepdim=True)) & ~hf).any(-1)
+    assert cut_in_group.sum() >= 4  # (the rows test the tie rule)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("path", ["sorted_block", "binary_search_top_p", "slow_path"])
+@pytest.mark.parametrize("filters", [dict(top_k=50, top_p=0.9), dict(top_p=0.8)], ids=["top_k_top_p", "top_p"])
+def test_top_p_cut_inside_a_tie_group_drops_hugging_faces_part(dtype, path, filters, monkeypatch):
+    """Each of step 2's paths (the small sorted block, 16- and 32-bit keys; the binary search over the
+    candidates; the slow path over the whole row) drops the members of the cut's tie group that Hugging
+    Face drops (the lowest token indices): the noise gives exactly those tokens the largest scores, so a
+    kept one would win the race."""
+    B, V = 6, 1500
+    logits = tied_logits(B, V, dtype, seed=7)
+    x = logits.double().cpu()
+    hf = S.kept_mask(x, filters.get("top_k"), filters["top_p"], None)
+    dropped_ties = (x >= torch.where(hf, x, float("inf")).amin(-1, keepdim=True)) & ~hf
+    assert dropped_ties.any(-1).sum() >= 3
+    q = exp_noise(B, V, seed=5)
+    q[dropped_ties.to(q.device)] = 1e-30  # a score of x + 69: far above any other
+    kw = {}
+    if path == "binary_search_top_p":
+        monkeypatch.setattr(S, "kept_block", lambda slots: 4)  # the kept set never fits the small block
+    elif path == "slow_path":
+        kw = dict(slots=8)  # every chunk overflows its slots
+    out = torch.full((B,), -7, dtype=torch.int64, device=DEVICE)  # poisoned
+    S.sample_triton(logits, 1.0, seed=seed_tensor(), noise=q, out=out, block=128, **filters, **kw)
+    want = S.sample_reference(logits, 1.0, q=q, **filters)
+    assert out.cpu().tolist() == want.tolist()
+    assert not dropped_ties.gather(1, want[:, None]).any()
+
+
 @pytest.mark.parametrize("name", ["min-p, then top-p", "min-p, then top-k + top-p", "per row, min-p first"])
 def test_min_p_first_keeps_another_set(name):
     """The min-p-first cases above are not Hugging Face's order in disguise: on their logits the order

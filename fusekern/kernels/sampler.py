@@ -4,8 +4,10 @@
 ``x = logits[b] / T[b]`` rounded to the logits' dtype (as the graph being replaced computes it). Kept, in
 the order Hugging Face applies the filters (``min_p_first``: min-p before top-p, vLLM's order):
 - top-k: ``x_i >= v_k``, the k-th largest x (ties kept, as ``torch.where(x < pivot, -inf, x)``);
-- top-p: among those, ``mass(x > x_i) < p`` (mass of softmax over the top-k set): what "sort ascending,
-  cumsum, drop where cumsum <= 1 - p" keeps, ties kept together;
+- top-p: among those, in the order x descending, ties by token index descending, a token stays while the
+  mass before it (softmax over the top-k set) is < p, the first always: what "stable sort ascending, cumsum,
+  drop where cumsum <= 1 - p, keep the last" keeps (Hugging Face, vLLM): a tie group at the cut keeps its
+  highest token indices;
 - min-p: ``p_i >= min_p * p_max``, i.e. ``exp(x_i - max x) >= min_p``.
 
 No sort and one read of the row from memory. The row is cut into chunks (spans), one CTA each, read in
@@ -47,7 +49,7 @@ from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.layout_replay import OUT, New, call_key, record_if_direct, recorder
 
-KERNEL_VERSION = "sampler-9"
+KERNEL_VERSION = "sampler-10"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))
@@ -315,6 +317,30 @@ def _top_p_key(key, x, kept, m, pz, lo, hi, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
+def _group_share(above, e_g, pz):
+    """How many tokens of the tie group at the top-p cut stay: in Hugging Face's order the group's i-th
+    member (0-based) has ``above + i * e_g`` before it, and stays while that is < pz; at least one (the
+    cut's key is the one whose first member stays)."""
+    n = tl.ceil((pz - above) / e_g)
+    return tl.minimum(tl.maximum(n, 1.0), 2.0**30).to(tl.int32)
+
+
+@triton.jit
+def _tie_cut(kept, key, t, n):
+    """``kept`` less the tie group at key t but its n last members in block order (the block order follows
+    the token index: the highest indices stay, as in Hugging Face's order)."""
+    member = kept & (key == t)
+    after = tl.cumsum(member.to(tl.int32), axis=0, reverse=True) - member.to(tl.int32)
+    return kept & ((key > t) | (member & (after < n)))
+
+
+@triton.jit
+def _min_and_count(k1, c1, k2, c2):
+    """(the smaller key, how many entries hold it), for tl.reduce."""
+    return tl.minimum(k1, k2), tl.where(k1 == k2, c1 + c2, tl.where(k1 < k2, c1, c2))
+
+
+@triton.jit
 def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, min_p, seed, row, V, noise_ptr,
                      HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_NOISE: tl.constexpr,
                      SMALL: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr, MIN_P_FIRST: tl.constexpr):
@@ -339,22 +365,39 @@ def _filter_and_race(x, key, idx, kept, exact, restricted, m, z_row, T, top_p, m
             z = tl.where(restricted, mass, z_row)
             # without top-k, tokens below T have at least this mass above them: they are cut if >= p z
             exact &= restricted | (T == MIN_KEY) | (mass >= top_p * z)
+            # Hugging Face's order (and vLLM's): x descending, ties by token index descending (their
+            # stable ascending sort puts the highest index last). A token stays while the mass before it
+            # in that order is < p z, the first always (the most likely token, even for p = 0): a tie
+            # group at the cut keeps its highest-index part. The block's order follows the token index
+            # (step 1 writes a chunk's candidates in token order, chunk after chunk), so ties are broken
+            # by position in the block.
             if SMALL:
-                # Sorted by key, largest first, the mass above position j is the exclusive cumsum of e
-                # (recomputed from the key: x is a function of it). It grows along the order, so the kept
-                # tokens are those at or above the key of the last position where it is < p z (the first
-                # position always: the top group stays, even for p = 0). Ties share a key. (Sorting the key
-                # with e in the low word of an int64 spilled on Triton 3.9.)
-                skey = tl.sort(tl.where(kept, key, MIN_KEY), descending=True)
-                se = tl.where(skey != MIN_KEY, tl.exp(_x_of_key(skey, DTYPE) - m), 0.0)
-                excl = tl.cumsum(se, axis=0) - se
-                first = tl.arange(0, skey.shape[0]) == 0
-                t_p = tl.min(tl.where((excl < top_p * z) | first, skey, 2**31 - 1), axis=0)
-                kept &= key >= t_p
+                # Sorted, the mass before position j is the exclusive cumsum of e (recomputed from the
+                # key: x is a function of it); it grows along the order, so the kept positions are those
+                # down to the last where it is < p z. (Sorting the key with e in the low word of an int64
+                # spilled on Triton 3.9.)
+                pos = tl.arange(0, key.shape[0])
+                first = pos == 0
+                if KEY_BITS == 16:  # the key and the position in one int32: the sort orders the ties too
+                    pk = tl.where(kept, ((key - 32768) << 16) | pos, MIN_KEY)
+                    spk = tl.sort(pk, descending=True)
+                    se = tl.where(spk != MIN_KEY, tl.exp(_x_of_key((spk >> 16) + 32768, DTYPE) - m), 0.0)
+                    excl = tl.cumsum(se, axis=0) - se
+                    kept &= pk >= tl.min(tl.where((excl < top_p * z) | first, spk, 2**31 - 1), axis=0)
+                else:  # the cut's key and how many of its group stay, then the group's last ones
+                    skey = tl.sort(tl.where(kept, key, MIN_KEY), descending=True)
+                    se = tl.where(skey != MIN_KEY, tl.exp(_x_of_key(skey, DTYPE) - m), 0.0)
+                    excl = tl.cumsum(se, axis=0) - se
+                    cut = (excl < top_p * z) | first
+                    t_p, n_g = tl.reduce((tl.where(cut, skey, 2**31 - 1), cut.to(tl.int32)), 0, _min_and_count)
+                    kept = _tie_cut(kept, key, t_p, n_g)
             else:
                 lo = tl.min(tl.where(kept, key, 2**31 - 1), axis=0).to(tl.int64) - 1
                 top = tl.max(tl.where(kept, key, MIN_KEY), axis=0).to(tl.int64)
-                kept &= key.to(tl.int64) >= _top_p_key(key, x, kept, m, top_p * z, lo, top, KEY_BITS)
+                t_p = _top_p_key(key, x, kept, m, top_p * z, lo, top, KEY_BITS)
+                above = tl.sum(tl.where(key.to(tl.int64) > t_p, e, 0.0), axis=0)
+                n_g = _group_share(above, tl.exp(_x_of_key(t_p.to(tl.int32), DTYPE) - m), top_p * z)
+                kept = _tie_cut(kept & (key.to(tl.int64) >= t_p), key.to(tl.int64), t_p, n_g)
             restricted = tl.full((), 1, tl.int1)
     if HAS_MIN_P and not MIN_P_FIRST:
         kept &= tl.exp(x - m) >= min_p
@@ -374,6 +417,7 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
     and the sum of exp over the top-k set (and the min-p set, ``MIN_P_FIRST``), the top-p key by binary
     search, then the race."""
     FIRST: tl.constexpr = HAS_MIN_P and MIN_P_FIRST  # top-p's mass counts only what min-p keeps
+    DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     pivot = tl.full((), MIN_KEY, tl.int64)
     if HAS_TOP_K:
         if k < V:
@@ -398,6 +442,7 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
         m = tl.maximum(m, tl.max(tl.where(offs < V, x, float("-inf")), axis=0))
         top = tl.maximum(top, tl.max(tl.where(offs < V, key.to(tl.int64), MIN_KEY), axis=0))
     t_p = pivot
+    dropped = tl.zeros((), tl.int32)  # members of the top-p cut's tie group that go (below)
     if HAS_TOP_P:
         if top_p < 1.0:
             z = tl.zeros((), tl.float32)
@@ -430,11 +475,36 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
                 hi = tl.where(go_down & (mid > lo), mid, hi)
                 lo = tl.where(go_down, lo, mid)
             t_p = tl.maximum(hi, pivot)
+            # Hugging Face's tie order at the cut (see _filter_and_race): the group at t_p keeps its last
+            # n_g members in token order; the mass above it and its size, one more pass
+            above = tl.zeros((), tl.float32)
+            size = tl.zeros((), tl.int32)
+            for off in range(0, V, BLOCK):
+                offs = off + tl.arange(0, BLOCK)
+                x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                k64 = key.to(tl.int64)
+                e = tl.exp(x - m)
+                inside = (offs < V) & (k64 >= pivot)
+                if FIRST:
+                    inside &= e >= min_p
+                above += tl.sum(tl.where(inside & (k64 > t_p), e, 0.0), axis=0)
+                size += tl.sum((inside & (k64 == t_p)).to(tl.int32), axis=0)
+            dropped = size - tl.minimum(_group_share(above, tl.exp(_x_of_key(t_p.to(tl.int32), DTYPE) - m),
+                                                     top_p * z), size)
     best = tl.full((), -1, dtype=tl.int64)
+    seen = tl.zeros((), tl.int32)  # members of the cut's group before this block
     for off in range(0, V, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
         kept = (offs < V) & (key.to(tl.int64) >= t_p)
+        if HAS_TOP_P:
+            if top_p < 1.0:  # the group's first `dropped` members in token order go
+                member = kept & (key.to(tl.int64) == t_p)
+                if FIRST:
+                    member &= tl.exp(x - m) >= min_p
+                at = seen + tl.cumsum(member.to(tl.int32), axis=0)  # 1-based
+                kept &= ~member | (at > dropped)
+                seen += tl.sum(member.to(tl.int32), axis=0)
         if HAS_MIN_P:
             kept &= tl.exp(x - m) >= min_p
         score = _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE)
@@ -1076,8 +1146,9 @@ def _per_row(value, B, default, dtype):
 
 def kept_mask(x: torch.Tensor, top_k, top_p, min_p, min_p_first: bool = False) -> torch.Tensor:
     """Which tokens of x [B, V] (float64) the filters keep, by their definition (module docstring):
-    top-k with ties, then top-p as mass(x > x_i) < p over the top-k softmax, then min-p; ``min_p_first``:
-    min-p before top-p, whose softmax is then over the top-k and min-p set."""
+    top-k with ties, then top-p over the top-k softmax in Hugging Face's order (x descending, ties by token
+    index descending: a token stays while the mass before it is < p, the first always), then min-p;
+    ``min_p_first``: min-p before top-p, whose softmax is then over the top-k and min-p set."""
     B, V = x.shape
     k = _per_row(top_k, B, V, torch.int64).clamp(1, V)
     p = _per_row(top_p, B, 1.0, torch.float64)
@@ -1091,15 +1162,22 @@ def kept_mask(x: torch.Tensor, top_k, top_p, min_p, min_p_first: bool = False) -
         if min_p_first and mp[b] > 0:
             kept[b] &= torch.exp(row - m) >= mp[b]
         e = torch.where(kept[b], torch.exp(row - m), 0.0)
-        if p[b] < 1:  # mass_gt[i] = sum of e[j] over x[j] > x[i]: the mass before i's tie group, sorted
-            xs, order = row.sort(descending=True)
+        if p[b] < 1:
+            order = _hf_order(row)
             es = e[order]
-            first = torch.searchsorted(-xs, -xs, side="left")
-            mass_gt = torch.empty_like(row).scatter_(0, order, (es.cumsum(0) - es)[first])
-            kept[b] &= (mass_gt < p[b] * e.sum()) | (mass_gt == 0)  # the top group stays, even for p = 0
+            stays = (es.cumsum(0) - es) < p[b] * e.sum()
+            stays[0] = True  # the most likely token stays, even for p = 0
+            kept[b] &= torch.zeros_like(stays).scatter_(0, order, stays)
         if mp[b] > 0:
             kept[b] &= torch.exp(row - m) >= mp[b]
     return kept
+
+
+def _hf_order(x: torch.Tensor) -> torch.Tensor:
+    """Token indices along the last dim in Hugging Face's top-p order: x descending, ties by index
+    descending (its stable ascending sort puts the highest index of a tie group last)."""
+    V = x.shape[-1]
+    return V - 1 - torch.sort(x.flip(-1), dim=-1, descending=True, stable=True).indices
 
 
 def sample_reference(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *, q: torch.Tensor,
@@ -1132,7 +1210,8 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
     x = (logits.float() / temp).to(logits.dtype).float()
     bad = (torch.isnan(x) | (x == float("inf"))).any(-1, keepdim=True) | (x == float("-inf")).all(-1, keepdim=True)
     x = torch.where(bad, 0.0, x)
-    xs, order = x.sort(dim=-1, descending=True)
+    order = _hf_order(x)
+    xs = x.gather(-1, order)
     kept_s = torch.ones_like(xs, dtype=torch.bool)
     if top_k is not None:
         k = _per_row(top_k, B, V, torch.int64).clamp(1, V).to(x.device).reshape(B, 1)
@@ -1144,10 +1223,9 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
     e = torch.where(kept_s, torch.exp(xs - m), 0.0)
     if top_p is not None:
         p = _per_row(top_p, B, 1.0, torch.float32).to(x.device).reshape(B, 1)
-        before = e.cumsum(-1) - e  # mass of the tokens sorted before each one
-        first = torch.searchsorted(-xs, -xs, side="left")  # ties: the mass strictly greater
-        above = before.gather(-1, first)
-        kept_s &= (above < p * e.sum(-1, keepdim=True)) | (above == 0) | (p >= 1)
+        before = e.cumsum(-1) - e  # mass of the tokens before each one in Hugging Face's order
+        first = torch.arange(V, device=x.device) == 0  # the most likely token stays, even for p = 0
+        kept_s &= (before < p * e.sum(-1, keepdim=True)) | first | (p >= 1)
     if mp is not None:
         kept_s &= torch.exp(xs - m) >= mp
     kept = torch.empty_like(kept_s).scatter_(-1, order, kept_s)
