@@ -442,7 +442,7 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
         m = tl.maximum(m, tl.max(tl.where(offs < V, x, float("-inf")), axis=0))
         top = tl.maximum(top, tl.max(tl.where(offs < V, key.to(tl.int64), MIN_KEY), axis=0))
     t_p = pivot
-    dropped = tl.zeros((), tl.int32)  # members of the top-p cut's tie group that go (below)
+    cut_at = tl.zeros((), tl.int32)  # the cut's tie group keeps its members from this token index on (below)
     if HAS_TOP_P:
         if top_p < 1.0:
             z = tl.zeros((), tl.float32)
@@ -491,20 +491,23 @@ def _finish_row(logits_ptr, row, V, stride_row, temperature, k, top_p, min_p, se
                 size += tl.sum((inside & (k64 == t_p)).to(tl.int32), axis=0)
             dropped = size - tl.minimum(_group_share(above, tl.exp(_x_of_key(t_p.to(tl.int32), DTYPE) - m),
                                                      top_p * z), size)
+            if dropped > 0:  # the token after the group's `dropped`-th member, in a pass of its own (a cumsum
+                seen = tl.zeros((), tl.int32)  # in the race's loop made ptxas spill the kernel on Triton 3.9)
+                for off in range(0, V, BLOCK):
+                    offs = off + tl.arange(0, BLOCK)
+                    x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
+                    member = (offs < V) & (key.to(tl.int64) == t_p)
+                    if FIRST:
+                        member &= tl.exp(x - m) >= min_p
+                    at = seen + tl.cumsum(member.to(tl.int32), axis=0)  # 1-based
+                    cut_at = tl.maximum(cut_at, tl.max(tl.where(member & (at == dropped), offs + 1, 0), axis=0))
+                    seen += tl.sum(member.to(tl.int32), axis=0)
     best = tl.full((), -1, dtype=tl.int64)
-    seen = tl.zeros((), tl.int32)  # members of the cut's group before this block
     for off in range(0, V, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         x, key = _scaled(logits_ptr, row, offs, offs < V, stride_row, temperature)
         kept = (offs < V) & (key.to(tl.int64) >= t_p)
-        if HAS_TOP_P:
-            if top_p < 1.0:  # the group's first `dropped` members in token order go
-                member = kept & (key.to(tl.int64) == t_p)
-                if FIRST:
-                    member &= tl.exp(x - m) >= min_p
-                at = seen + tl.cumsum(member.to(tl.int32), axis=0)  # 1-based
-                kept &= ~member | (at > dropped)
-                seen += tl.sum(member.to(tl.int32), axis=0)
+        kept &= (key.to(tl.int64) != t_p) | (offs >= cut_at)  # (cut_at 0: the whole group)
         if HAS_MIN_P:
             kept &= tl.exp(x - m) >= min_p
         score = _gumbel_score(x, seed, row, offs, V, noise_ptr, HAS_NOISE)
