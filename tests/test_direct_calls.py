@@ -3,6 +3,8 @@
 something else than call that function."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -125,6 +127,7 @@ def test_gpu_entry_calls_the_cuda_function_unless_the_dispatcher_would_do_more()
         direct_calls._call(DECODE_MM, spy, *args)
     assert calls == [1]
     wants_grad = [args[0].detach().clone().requires_grad_(), *args[1:]]
-    with torch.enable_grad(), pytest.raises(RuntimeError):  # the dispatcher refuses: no autograd kernel
-        direct_calls._call(DECODE_MM, spy, *wants_grad).sum().backward()
-    assert calls == [1]
+    with torch.enable_grad(), warnings.catch_warnings():  # autograd's key: through the op (torch 2.11 warns
+        warnings.simplefilter("ignore")  # that no autograd kernel is registered; it does not raise)
+        direct_calls._call(DECODE_MM, spy, *wants_grad)
+    assert calls == [1]  # (the spy, the CUDA function, was not called)

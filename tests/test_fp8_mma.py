@@ -88,7 +88,7 @@ def test_extreme_activations():
                 # every output of this row is a bf16 subnormal, whose spacing is 2**-133 (3% of these values):
                 # the output's own rounding exceeds TOL, so each value must be within one spacing of the exact one
                 assert 0 < want[m].abs().max() < 2.0 ** -126, m
-                err = (got[m].double() - want[m].double()).abs().max().item()
+                err = (got[m].double().cpu() - want[m].double().cpu()).abs().max().item()  # (the reference is on the CPU)
                 assert err <= 2.0 ** -133, (m, err)
                 continue
             assert rel_err(got[m].float(), want[m].float()) < TOL, (m, rel_err(got[m].float(), want[m].float()))

@@ -64,16 +64,15 @@ def test_gpu_op_replays_per_stream_and_runs_on_two_at_once():
     """A decode op's recorded launch holds its stream's counters: another stream takes the op's own path
     once (and records its own), and calls alternating between two streams give each call's output alone."""
     from fusekern.kernels import decode_mm as dm
-    from fusekern.kernels import replay
     from test_replay import _program
 
     K, N, calls = 4096, 2048, 32
     x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
     text, leaves, layout = _program("int4_k_stack", K, N, x, 3)
     dm.decode_mm(x, leaves, text, None, layout)
-    assert dm._REPLAYS.get((text, layout, False, *replay.x_key(x)), leaves) is not None
+    assert dm._REPLAYS.get(dm.replay_key(x, leaves, text, False, layout), leaves) is not None
     with torch.cuda.stream(torch.cuda.Stream()):
-        assert dm._REPLAYS.get((text, layout, False, *replay.x_key(x)), leaves) is None
+        assert dm._REPLAYS.get(dm.replay_key(x, leaves, text, False, layout), leaves) is None
     xs = [torch.randn_like(x) for _ in range(calls)]
     alone = [dm.decode_mm(xi, leaves, text, None, layout) for xi in xs]
     outs = on_two_streams_at_once([lambda xi=xi: dm.decode_mm(xi, leaves, text, None, layout) for xi in xs])

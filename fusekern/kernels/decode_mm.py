@@ -1079,12 +1079,18 @@ torch.library.define(
 _REPLAYS = LeafCache()  # (program, layout as given, bias given, checked leaves' versions, activation) per leaf set -> replay
 
 
+def replay_key(x, leaves, program: str, bias_given: bool, layout: str) -> tuple:
+    """Where the op keeps a call's replay (``_REPLAYS``, beside its leaf set): the program, the layout as
+    given, whether a bias is, the guarded leaves' write counts and the activation's layout."""
+    return (program, layout, bias_given, layout_guard.versions(program, layout, leaves), *replay.x_key(x))
+
+
 def _decode_mm_cuda(x, leaves, program, bias, layout=""):
     """``x @ W + bias`` with W decoded in the GEMM; leaves with other strides than traced take the CPU path.
     Calls after the first with the same leaves, bias and activation layout replay its launch (``replay``),
     and, for a guarded layout, with the same write counts of the leaves it checks (``layout_guard``: the
     replay then stands for its verdict)."""
-    key = (program, layout, bias is not None, layout_guard.versions(program, layout, leaves), *replay.x_key(x))
+    key = replay_key(x, leaves, program, bias is not None, layout)
     tensors = leaves if bias is None else [*leaves, bias]
     rep = _REPLAYS.get(key, tensors)
     if rep is not None:
