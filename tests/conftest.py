@@ -2,6 +2,9 @@
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test imports
 fusekern's kernels. GPU tests carry the ``gpu`` marker and are skipped without CUDA.
+
+``FUSEKERN_FAILURE_LOG=PATH`` appends each failing test's report to PATH as soon as it fails
+(``fusekern.testing.failure_log``).
 """
 import os
 
@@ -22,6 +25,7 @@ if not HAS_CUDA:
         torch.set_num_threads(1)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+pytest_plugins = ["fusekern.testing.failure_log"]
 
 
 def pytest_collection_modifyitems(config, items):
