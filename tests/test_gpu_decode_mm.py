@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fusekern.kernels import decode_mm as dm
+from fusekern.kernels.device_info import sm_count
 from fusekern.kernels.decode_mm_stock import StockConfig
 from fusekern.testing import assert_compiled, rel_err
 from fusekern.testing.decode_cones import decode_program
@@ -38,7 +39,7 @@ def test_generated_kernel_at_model_size(name):
     for M in (1, 16, 2048):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         cfg = dm.tuned_config(x, leaves, text, None, 1, M)  # measured on first use, then cached
-        assert cfg in [*dm.candidates(M, N, K), StockConfig()] and dm.tuned_config(x, leaves, text, None, 1, M) == cfg
+        assert cfg in [*dm.candidates(M, N, K, sms=sm_count(x.device)), StockConfig()] and dm.tuned_config(x, leaves, text, None, 1, M) == cfg
         ws_ = None
         if isinstance(cfg, dm.Config):
             ws_ = torch.full((cfg.SPLIT_K, 1, M, N), float("nan"), device="cuda",

@@ -201,3 +201,5 @@ def test_gpu_tuner_times_it_and_agrees():
     prog, lay, leaves, x = setup(K, N, M, seed=9, fmt="awq")
     got = dm.decode_mm_triton(x, leaves, prog.to_text(), None, layout=lay.to_text())
     assert rel_err(got.float(), pm.packed_mm_reference(x, leaves, lay, K, N).float()) < TOL
+    timed = dm.timings[(prog.to_text(), lay.to_text(), 1, 1, x.device)]
+    assert any(isinstance(c, imn.Int4MmaN) for c in timed), list(timed)

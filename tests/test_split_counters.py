@@ -60,9 +60,10 @@ def test_gpu_split_kernels_on_two_streams_at_once(cfg):
 
 
 @pytest.mark.gpu
-def test_gpu_op_replays_per_stream_and_runs_on_two_at_once():
+def test_gpu_op_replays_per_stream_and_runs_on_two_at_once(monkeypatch):
     """A decode op's recorded launch holds its stream's counters: another stream takes the op's own path
     once (and records its own), and calls alternating between two streams give each call's output alone."""
+    monkeypatch.setenv("FUSEKERN_STOCK_FALLBACK", "0")  # (the stock fallback records nothing)
     from fusekern.kernels import decode_mm as dm
     from test_replay import _program
 
