@@ -359,8 +359,10 @@ def test_a_new_batch_size_does_not_recompile():
     assert csm.cache_size() == size
     _check(100, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)
     size = csm.cache_size()
-    _check(1000, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)  # same 128x128 config
+    _check(500, 4096, 1024, torch.bfloat16, torch.bfloat16, has_col=True)  # same 128x128 config
     assert csm.cache_size() == size
+    sms = csm._sm_count(torch.device("cuda"))  # (500 rows: 64 tiles of 128x256, fewer than any Hopper's SMs)
+    assert csm.heuristics(500, 4096, sms) == csm.heuristics(100, 4096, sms) == (128, 128)
 
 
 @pytest.mark.gpu
@@ -486,5 +488,8 @@ def test_block_scaled_expanded_a_block_and_no_recompile():
     out_b = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **one_b)
     ref_b = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **one_b)
     assert _rel_err(out_b, ref_b) < BLOCK_TOLERANCE
-    _check_block(777, 296, 1008)  # same 128x128 specialization
-    assert csm.cache_size() == size
+    _check_block(777, 296, 1008)  # same 128x128 specialization (the cache may hold it from an earlier test:
+    assert csm.cache_size() == size  # the configs are compared too)
+    a777 = a[:777]
+    assert csm.config_for(a777, b, out_dtype=torch.bfloat16, block_scaled=True) == \
+        csm.config_for(a, b, out_dtype=torch.bfloat16, block_scaled=True)
