@@ -85,6 +85,20 @@ def test_offered_only_where_it_computes_the_program():
         assert not isinstance(dm.select_config(M, 8192, 8192, layout=lay.to_text()), S)
 
 
+@pytest.mark.parametrize("fmt", ["int4_k_stack", "gptq"])
+@pytest.mark.parametrize("cfg", [S(SPLIT_K=2), S(SPLIT_K=1, GROUPS_PER_WARP=2), S(SPLIT_K=2, PREFETCH=2)],
+                         ids=["one_group", "two_groups", "prefetch2"])
+def test_unrolled_loop_gives_the_plain_loops_bits(cfg, fmt):
+    """``UNROLL`` (a probe field) changes where ptxas puts the loads, not the arithmetic: the same bits,
+    with a K slice of 5 groups (a remainder for both factors)."""
+    K, N, M = 128 * 5 * cfg.SPLIT_K, 72, 3
+    _, lay, leaves, x = setup(K, N, M, seed=11, fmt=fmt)
+    plain = run(x, leaves, lay, K, N, cfg)
+    for unroll in (2, 4):
+        assert torch.equal(run(x, leaves, lay, K, N, dataclasses.replace(cfg, UNROLL=unroll)), plain), unroll
+    assert rel_err(plain.float(), pm.packed_mm_reference(x, leaves, lay, K, N).float()) < TOL
+
+
 def test_bad_input_gets_a_clear_error():
     K, N = 256, 64
     _, lay, leaves, x = setup(K, N, 2, fmt="int4_k_stack")
@@ -93,7 +107,8 @@ def test_bad_input_gets_a_clear_error():
         ims.int4_mma_sync(x.half(), leaves, lay, K, N, cfg)
     with pytest.raises(ValueError, match="M <= 8"):
         ims.int4_mma_sync(torch.randn(9, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
-    for bad in (S(SPLIT_K=3), S(GROUPS_PER_WARP=3, SPLIT_K=1), S(SPLIT_K=1, PREFETCH=2, GROUPS_PER_WARP=2)):
+    for bad in (S(SPLIT_K=3), S(GROUPS_PER_WARP=3, SPLIT_K=1), S(SPLIT_K=1, PREFETCH=2, GROUPS_PER_WARP=2),
+                S(SPLIT_K=1, UNROLL=3)):
         with pytest.raises(ValueError, match="do not fit"):
             ims.int4_mma_sync(x, leaves, lay, K, N, bad)
     strided = list(leaves)

@@ -61,6 +61,11 @@ class Int4MmaSync:
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
     # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
     PREFETCH: int = 1
+    # the K loop unrolled this many times (Triton's loop_unroll_factor; 1: not at all). A probe field, not offered
+    # by the dispatcher: compiled for sm_90a, 2 issues each group's word loads among the previous group's MMAs,
+    # where the plain loop issues them next to the copies that wait for them (72 registers against 62: 7
+    # programs of 4 warps per SM; benchmarks/proto/probe_int4_sync_unroll.py; not yet timed)
+    UNROLL: int = 1
 
     @property
     def BLOCK_N(self) -> int:
@@ -256,11 +261,11 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                          SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                          GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
+                         THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """16 columns per warp and column group over one K slice (whole groups of 128): ``sync_program``."""
     sync_program(tl.program_id(0), tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr,
                  out_ptr, ws_ptr, cnt_ptr, M, N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, SPLIT_K,
-                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
+                 GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
 
 
 @triton.jit
@@ -277,7 +282,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                                ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                                SSK: tl.constexpr, SSN: tl.constexpr, SPLIT_K: tl.constexpr,
                                GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1):
+                               THREADS: tl.constexpr, PREFETCH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, zeros, scales, outputs ([M, N_i]) and split-K
@@ -289,7 +294,7 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
                  q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
                  s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
                  ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
-                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH)
+                 ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
 
 
 @triton.jit
@@ -297,7 +302,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
                  K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr, C: tl.constexpr,
                  SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS_PER_WARP: tl.constexpr, VEC: tl.constexpr,
-                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr):
+                 ASM: tl.constexpr, THREADS: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr = 1):
     """Column tile pid_n (16 columns per warp and column group) over K slice pid_k (whole groups of 128).
     Strides in elements of each leaf (the codes' in 32-bit words), compile-time constants. VEC: the words
     run along K from 16-byte aligned rows (one 16-byte load per 4 words). pid_cnt: the tile's split-K
@@ -353,7 +358,7 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     # help: _strided_probe.csv, _stage_probe.csv, _nap_probe.csv, _late_fold_probe.csv. Nor did the three at
     # once (words through a ring, scales and sum x in shared-memory tables filled before the loop):
     # int4_sync_v2_probe.csv; the arithmetic alone takes about as long as the read.)
-    for t in range(t0, t0 + PER):
+    for t in tl.range(t0, t0 + PER, loop_unroll_factor=UNROLL if UNROLL > 1 else None):  # (1: range's own SASS)
         w0, w1, w2, w3 = nw0, nw1, nw2, nw3
         v0, v1, v2, v3 = nv0, nv1, nv2, nv3
         tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
@@ -471,7 +476,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
     check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
     if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
-            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2):
+            or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2) or cfg.UNROLL not in (1, 2, 4):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
         check_k_leaves("int4_mma_sync", leaves, lay, K, N)
@@ -512,7 +517,7 @@ def _rows(x: torch.Tensor, record: bool):
 def _options(cfg: Int4MmaSync, vec: bool) -> dict:
     """The config's compile-time arguments, shared by the single and the grouped kernel."""
     return dict(SPLIT_K=cfg.SPLIT_K, GROUPS_PER_WARP=cfg.GROUPS_PER_WARP, VEC=vec, ASM=not _INTERPRET,
-                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH)
+                THREADS=32 * cfg.num_warps, PREFETCH=cfg.PREFETCH, UNROLL=cfg.UNROLL)
 
 
 def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4MmaSync,
