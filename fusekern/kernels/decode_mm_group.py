@@ -131,11 +131,17 @@ torch.library.define("fusekern::decode_mm_group",
 _REPLAYS = LeafCache()  # (programs, layout, activation) per leaf set -> the grouped launch's replay
 
 
+def replay_key(x, programs, layout: str) -> tuple:
+    """Where the op keeps its grouped launch's replay (``_REPLAYS``, beside the leaf set): the members'
+    programs, the layout and the activation's layout (as ``decode_mm.replay_key`` does for one weight)."""
+    return (tuple(programs), layout, *replay.x_key(x))
+
+
 def _decode_mm_group_cuda(x, leaves, programs, layout):
     """Calls after the first with the same leaves and activation layout replay its grouped launch
     (``replay``; None from it: this call's outputs do not fit the recorded launch, see ``GemvGroupReplay``);
     members run one by one replay at ``decode_mm``'s level."""
-    key = (tuple(programs), layout, *replay.x_key(x))
+    key = replay_key(x, programs, layout)
     rep = _REPLAYS.get(key, leaves)
     if rep is not None:
         outs = rep(x)
