@@ -4,7 +4,7 @@ launches, ``fusekern/kernels/layout_replay.py``), through the dispatcher (``torc
 and the whole compiled Hugging Face chain, fusekern's and stock inductor's. Back-to-back calls, wall time per
 call (host-bound at small batches: the GPU queue never drains).
 
-    python benchmarks/profile_sampler_host.py [--batch 1] [--calls 2000] [--csv out.csv]
+    python benchmarks/profile_sampler_host.py [--batch 1] [--calls 2000] [--csv out.csv] [--ways a,b]
 """
 from __future__ import annotations
 
@@ -29,20 +29,27 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--ways", default=None, help="comma-separated subset of the ways (default: all; the two "
+                    "compiled graphs cost a compile each)")
     args = ap.parse_args()
     logits = 3 * torch.randn(args.batch, V, device="cuda", dtype=torch.bfloat16)
     chain = lambda x: hf_sample(x, T, K, P)  # noqa: E731
     op_args = (logits, None, T, None, K, None, P, None, 0.0, None)
     ways = {
-        "launcher_path": (lambda x: S.sample_triton(x, T, K, P, seed=None), (logits,)),
-        "op_cuda_function": (S._sample_cuda, op_args),
-        "op_dispatcher": (torch.ops.fusekern.sample.default, op_args),
-        "fusekern_graph": (torch.compile(chain, backend="fusekern"), (logits,)),
-        "stock_graph": (torch.compile(chain), (logits,)),
+        "launcher_path": lambda: (lambda x: S.sample_triton(x, T, K, P, seed=None), (logits,)),
+        "op_cuda_function": lambda: (S._sample_cuda, op_args),
+        "op_dispatcher": lambda: (torch.ops.fusekern.sample.default, op_args),
+        "fusekern_graph": lambda: (torch.compile(chain, backend="fusekern"), (logits,)),
+        "stock_graph": lambda: (torch.compile(chain), (logits,)),
     }
+    chosen = args.ways.split(",") if args.ways else list(ways)
+    unknown = sorted(set(chosen) - set(ways))
+    if unknown:
+        raise SystemExit(f"unknown ways {unknown}; known: {', '.join(ways)}")
     out, info = RowWriter(args.csv), versions()
     with torch.no_grad():
-        for name, (f, a) in ways.items():
+        for name in chosen:
+            f, a = ways[name]()
             for rep in range(2):  # the second pass is the one to read
                 us = per_call_us(f, a, args.calls, warmup=20)
                 print(f"{name:18s} B={args.batch} pass {rep}: {us:7.2f} us per call", flush=True)

@@ -299,3 +299,53 @@ def test_gpu_sample_replays_are_the_paths_tokens(ops, monkeypatch, B):
         assert len(S._REPLAYS) == 1 and next(iter(S._REPLAYS.values())) is rep
         torch.manual_seed(draw)
         assert torch.equal(got, S.sample_triton(logits, 0.8, 50, 0.9, seed=None))
+
+
+class _AddressLaunch:
+    """A compiled launch's stand-in: takes pointers as addresses and keeps what each run got."""
+
+    takes_addresses = True
+
+    def __init__(self, names):
+        self.index, self.runs = {n: i for i, n in enumerate(names)}, []
+
+    def slots(self, *names):
+        return tuple(self.index[n] for n in names)
+
+    def run(self, slots, values, stream=None):
+        self.runs.append(dict(zip(slots, values)))
+
+
+def test_workspaces_share_one_allocation_at_aligned_offsets():
+    """The output is its own tensor (the caller keeps it); the workspaces, odd sizes included, come from one
+    arena at 256-byte offsets (16-byte aligned addresses, as the JIT assumed) without overlapping, as addresses for a compiled launch, and the same bytes as
+    tensor views for ``prepare`` and for launches that need tensors."""
+    buffers = [((3,), torch.int64), ((5, 7), torch.int32), ((1,), torch.int8), ((4, 33), torch.float32),
+               ((1,), torch.int64)]
+    names = ["x_ptr", "out_ptr", "a_ptr", "b_ptr", "c_ptr", "seed_ptr"]
+    sources = {"x_ptr": 0, "out_ptr": lr.OUT, "a_ptr": lr.New(1), "b_ptr": lr.New(2), "c_ptr": lr.New(3),
+               "seed_ptr": lr.New(4)}
+    seen = []
+    launch = _AddressLaunch(names)
+    rep = lr.LayoutReplay([(launch, sources)], buffers, prepare=lambda view: seen.append(view(4).fill_(7)))
+    x = torch.randn(3)
+    out = rep((x,))
+    assert out.shape == (3,) and out.dtype == torch.int64
+    got = launch.runs[-1]
+    assert got[0] is x and got[1] is out
+    addresses = [got[i] for i in (2, 3, 4, 5)]
+    assert all(isinstance(a, int) and a % 16 == 0 and (a - addresses[0]) % 256 == 0 for a in addresses)
+    sizes = [5 * 7 * 4, 1, 4 * 33 * 4, 8]
+    spans = sorted(zip(addresses, sizes))
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # disjoint
+    seed, = seen
+    assert seed.data_ptr() == got[5] and seed.dtype == torch.int64 and seed.shape == (1,) and seed.item() == 7
+
+    class _TensorLaunch(_AddressLaunch):
+        takes_addresses = False
+
+    tensor_launch = _TensorLaunch(names)
+    lr.LayoutReplay([(tensor_launch, sources)], buffers)((x,))
+    views = tensor_launch.runs[-1]
+    for i, (shape, dtype) in zip((2, 3, 4, 5), buffers[1:]):
+        assert views[i].shape == shape and views[i].dtype == dtype and views[i].data_ptr() % 16 == 0

@@ -15,6 +15,7 @@ no other argument came from a tensor's value, outside CUDA-graph capture.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,24 +49,51 @@ def call_key(tensors, *scalars) -> tuple:
     return (*parts, *scalars, *replay.device_key(tensors[0].device))
 
 
+_ALIGN = 256  # a workspace's offset in the call's arena: past the JIT's 16-byte pointer specialization, whole lines
+
+
 class LayoutReplay:
     """Recorded launches, run in order into the same new buffers: ``steps`` holds (launch, sources) pairs,
     ``sources`` mapping kernel argument names to an input's position in the op's tensors or to a ``New``
-    buffer; ``buffers`` holds each new buffer's (shape, dtype); ``prepare(made)``, where given, fills new
-    buffers before the first launch (the sampler's seed draw) and holds no tensor. Returns buffer 0."""
+    buffer; ``buffers`` holds each new buffer's (shape, dtype); ``prepare(view)``, where given, fills new
+    buffers before the first launch (the sampler's seed draw: ``view(i)`` is buffer ``i`` as a tensor) and
+    holds no tensor. Returns buffer 0.
+
+    Buffer 0, the output the caller keeps, is allocated alone; the others are workspaces that die with the
+    call, carved from one allocation at ``_ALIGN``-byte offsets (the sampler's nine cost nine allocator calls
+    of host time otherwise). Compiled launches take them as addresses; launches that need tensors (the
+    tests' interpreted ones, without ``takes_addresses``) get views of the arena."""
 
     def __init__(self, steps, buffers: list, prepare=None):
         self.buffers, self.prepare = buffers, prepare
         self.steps = tuple((launch, launch.slots(*sources), tuple(sources.values())) for launch, sources in steps)
+        self.offsets, size = [0], 0
+        for shape, dtype in buffers[1:]:
+            self.offsets.append(size)
+            size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        self.arena_bytes = size
+        self.addresses = all(getattr(launch, "takes_addresses", False) for launch, _ in steps)
+
+    def _view(self, arena: torch.Tensor, i: int) -> torch.Tensor:
+        shape, dtype = self.buffers[i]
+        start = self.offsets[i]
+        return arena[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def __call__(self, tensors, stream: int | None = None) -> torch.Tensor:
         device = tensors[0].device
-        made = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+        shape, dtype = self.buffers[0]
+        out = torch.empty(shape, dtype=dtype, device=device)
+        arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=device) if len(self.buffers) > 1 else None
+        if self.addresses:
+            base = arena.data_ptr() if arena is not None else 0
+            made = [out] + [base + off for off in self.offsets[1:]]
+        else:
+            made = [out] + [self._view(arena, i) for i in range(1, len(self.buffers))]
         if self.prepare is not None:
-            self.prepare(made)
+            self.prepare(lambda i: made[i] if isinstance(made[i], torch.Tensor) else self._view(arena, i))
         for launch, slots, sources in self.steps:
             launch.run(slots, [made[s.i] if isinstance(s, New) else tensors[s] for s in sources], stream)
-        return made[0]
+        return out
 
 
 def record_if_direct(record, steps, tensors, buffers, prepare=None) -> None:

@@ -49,6 +49,8 @@ def _frozen(v):
 class Launch:
     """``jit_fn[grid](*args, **kwargs)``, run now through the JIT, and replayable by ``run``."""
 
+    takes_addresses = True  # ``run`` takes a pointer argument as a tensor or as its address (an int)
+
     def __init__(self, jit_fn, grid, args: tuple, kwargs: dict):
         self.kernel = jit_fn[grid](*args, **kwargs)
         if not self.replayable:  # (the interpreter's function has no compiled kernel and no params)

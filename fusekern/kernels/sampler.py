@@ -1094,9 +1094,10 @@ def sample_triton(
     return out
 
 
-def _draw_seed(i: int, made: list) -> None:
-    """A replay's seed draw into its new buffer ``i`` (as ``sample_triton`` draws it outside a capture)."""
-    made[i].random_(0, SEED_BOUND)
+def _draw_seed(i: int, view) -> None:
+    """A replay's seed draw into its new buffer ``i``, ``view(i)`` (as ``sample_triton`` draws it outside a
+    capture)."""
+    view(i).random_(0, SEED_BOUND)
 
 
 # ----------------------------------------------------------------------------- builds for the report
