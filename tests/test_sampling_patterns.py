@@ -561,6 +561,12 @@ def test_changing_top_p_adds_no_recompile():
 # -- near misses of the filters: declined, with the reason ---------------------------------------------
 
 
+def top_k_unsorted(logits, k=5):  # gpt-fast's mask over topk(sorted=False): the pivot is any of the k on CUDA
+    v, _ = torch.topk(logits, k, sorted=False)
+    logits = torch.where(logits < v[:, -1:], -float("inf"), logits)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1)
+
+
 def top_p_strict(scores, top_p=0.8):  # cumsum < 1 - p: keeps a token whose cumsum equals 1 - p
     sorted_logits, sorted_indices = torch.sort(scores, descending=False)
     remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) < (1 - top_p)
@@ -652,6 +658,7 @@ def test_probed_near_misses_stay_as_written(fn, reason):
 
 
 @pytest.mark.parametrize("fn,reason", [
+    (top_k_unsorted, "topk(sorted=False)"),
     (top_p_strict, "cumsum < 1 - p"),
     (top_p_descending, "sorts descending"),
     (top_p_before_top_k, "applied as top-p -> top-k"),

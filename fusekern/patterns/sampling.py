@@ -361,6 +361,8 @@ def _top_k(cond: Node, x: Node) -> tuple[int | Node, list[Node]]:
         raise Decline("the top-k is taken of another tensor than the one masked")
     if not _is_last_dim(dim, ndim) or largest is not True:
         raise Decline("topk is not the largest values of x along the last dim")
+    if _arg(topk, 4, "sorted", True) is not True:  # (the CUDA order is arbitrary: the last value is any of the k)
+        raise Decline("topk(sorted=False): its last value is not the k-th largest")
     if isinstance(k, Node):
         if not isinstance(_val(k), torch.SymInt):
             raise Decline("top-k is not an int")
