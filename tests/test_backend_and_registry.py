@@ -259,6 +259,120 @@ def test_entry_point_group_is_loaded(monkeypatch):
 # -- harness -----------------------------------------------------------------------------------
 
 
+MM_RELU = dict(x=fusekern.T("M", "K", dtype=torch.float32), w=fusekern.T("N", "K", dtype=torch.float32),
+               s=fusekern.T("N", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("search,replacement,check,why", [
+    (lambda x, w, s: torch.relu(x @ w.t()), lambda x, w, s: torch.clamp_min(x @ w.t(), 0.0), None,
+     r"does not use input\(s\) \['s'\]"),
+    (lambda x, w, s: torch.relu(x @ w.t()) * s.shape[0], lambda x, w, s: torch.clamp_min(x @ w.t(), 0.0) * s.shape[0],
+     None, r"does not use input\(s\) \['s'\]"),
+    (lambda x, w, s: (x @ w.t()) * s * torch.tensor([2.0, 3.0]).sum(), lambda x, w, s: (x @ w.t()) * s * 5.0, None,
+     "search cannot be traced on fake tensors"),
+    (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: (x @ w.t()) * s * torch.tensor([1.0, 0.0]).sum(), None,
+     "replacement cannot be traced on fake tensors"),
+    (lambda x, w, s: x, lambda x, w, s: x.clone(), None, "returns an input as it is"),
+    (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: (x @ w.t()) * s * float(s.sum().item() != 0), None,
+     "replacement cannot be traced on fake tensors.*DataDependent"),
+    (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: torch.mm(x, w.t()) * s,
+     lambda v: None if bool((v["s"] > 0).all()) else "s must be positive", "check raised on fake tensors"),
+], ids=["unused_input", "shape_only_input", "tensor_constant_in_search", "tensor_constant_in_replacement",
+        "identity", "replacement_reads_a_value", "check_reads_values"])
+def test_what_inductor_could_not_apply_is_refused_at_registration(search, replacement, check, why):
+    """Each of these passed registration and the harness once, then failed in the compile (every later compile
+    of the process, for the tensor constant) with errors that did not name the pattern, or never fired (the
+    check). Now registration runs the pattern's pass on its own traced search, on fake tensors, and refuses
+    them; an unrelated compile afterwards still works."""
+    def s_(x, w, s):
+        return search(x, w, s)
+
+    def r_(x, w, s):
+        return replacement(x, w, s)
+
+    with pytest.raises(fusekern.PatternError, match="'refused'.*" + why):
+        fusekern.register_pattern("refused", s_, r_, inputs=MM_RELU, check=check)
+    assert "refused" not in {p.name for p in all_patterns()}
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    torch.testing.assert_close(torch.compile(lambda a, b: torch.relu(a @ b) * 2, backend="fusekern")(a, b),
+                               torch.relu(a @ b) * 2)
+
+
+def test_every_builtin_pattern_rewrites_its_own_search():
+    """What registration tries for user patterns, for the built-ins (not run at import: it traces them all)."""
+    from fusekern.patterns.registry import _rewrites_its_own_search
+
+    searches = [p for p in all_patterns() if isinstance(p, Pattern)]
+    assert len(searches) >= 6
+    for p in searches:
+        _rewrites_its_own_search(p)
+
+
+def test_name_and_dims_are_checked():
+    with pytest.raises(fusekern.PatternError, match="the name comes first and must be a string"):
+        fusekern.register_pattern(_mm, _mm, inputs=SPEC)
+    with pytest.raises(fusekern.PatternError, match=r"dims\['K'\] must be a fusekern.Dim"):
+        fusekern.register_pattern("bad_dims", _mm, _mm, inputs=SPEC, dims={"K": 64})
+    with pytest.raises(ValueError, match="allows no size"):
+        fusekern.Dim(min=5, max=7, multiple_of=8)
+    with pytest.raises(ValueError, match="trace size 9 is not an allowed size"):
+        fusekern.Dim(max=8, trace=9)
+
+
+def test_trace_sizes_keep_to_each_dims_bounds():
+    """The trace size of a Dim with a small max once ran past it (N = 7 for Dim(max=4)), and a replacement that
+    relied on the bound failed to register."""
+    from fusekern.patterns.spec import trace_sizes
+
+    spec = dict(x=fusekern.T("M", "K", dtype=torch.float32), w=fusekern.T("N", "K", dtype=torch.float32))
+    dims = {"N": fusekern.Dim(max=4), "K": fusekern.Dim(min=8, multiple_of=8), "M": fusekern.Dim(max=6)}
+    sizes = trace_sizes(spec, dims)
+    assert all(dims[n].allows(sizes[n]) for n in dims), sizes
+    assert len({sizes[n] for n in dims}) == 3  # distinct where the bounds allow
+
+
+def test_user_pattern_fingerprint_follows_what_its_functions_compute():
+    """The FX graph cache key of a user pattern follows its traced search and replacement, so values their
+    source does not show count: a closure's constant (once, a compiled model kept the old factor from the
+    cache), and the check's closure."""
+    def make(c, limit):
+        def replacement(x, w, s):
+            return torch.clamp_min(torch.mm(x, w.t()), 0.0) * s * c
+
+        def search(x, w, s):
+            return torch.relu(x @ w.t()) * s * c
+        return Pattern("fp", search, replacement, inputs=MM_RELU,
+                       check=lambda v: None if v["x"].shape[0] < limit else "too many rows").fingerprint
+
+    assert make(2.0, 8) == make(2.0, 8)
+    assert make(2.0, 8) != make(3.0, 8)
+    assert make(2.0, 8) != make(2.0, 9)
+
+
+def test_a_graph_from_inductors_cache_reports_what_fired_when_compiled(tmp_path):
+    """A second process loads the graph from inductor's FX graph cache, so the passes do not run; the report
+    says so, once per graph (the AOTAutograd and FX caches both count the same graph), with what fired when
+    it was compiled (the README's first example printed nothing of that on a second run)."""
+    code = (
+        "import torch, torch.nn.functional as F, fusekern\n"
+        "f = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s\n"
+        "x = torch.randn(3, 32, dtype=torch.bfloat16); w = torch.randint(-9, 9, (16, 32), dtype=torch.int8)\n"
+        "torch.compile(f, backend='fusekern')(x, w, torch.rand(16))\n"
+        "r = fusekern.match_report()\n"
+        "print('FIRED', dict(r.fired()), 'HITS', r.cache_hits, 'CACHED', dict(r.cached_fired))\n"
+        "print(r)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+            for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+    assert "FIRED {'w8a16_linear_scale': 1} HITS 0 CACHED {}" in runs[0].stdout
+    assert "FIRED {} HITS 1 CACHED {'w8a16_linear_scale': 1}" in runs[1].stdout
+    assert "w8a16_linear_scale                       x1 (when first compiled)" in runs[1].stdout
+
+
 def test_harness_reports_worst_input_of_a_wrong_pattern():
     name = "wrong_on_purpose"
     p = fusekern.register_pattern(name, _mm, lambda x, w: x @ w.t() * 1.01, inputs=SPEC)
@@ -335,8 +449,13 @@ def test_registration_arguments_are_checked():
 
 
 def test_a_check_that_raises_declines_with_the_reason():
+    """A check that raises on the example inputs is refused at registration; one that raises only on some
+    compiled graph's inputs (K = 12 here, no traced size) declines there, with the reason."""
     name = "user_broken_check"
-    fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC, check=lambda v: v["nope"])
+    with pytest.raises(fusekern.PatternError, match="'user_broken_check'.*check raised on fake tensors.*KeyError"):
+        fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC, check=lambda v: v["nope"])
+    fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC,
+                              check=lambda v: None if v["x"].shape[1] != 12 else v["nope"])
     try:
         x, w = torch.randn(5, 12), torch.randn(7, 12)
         assert_compiled(_mm, (x, w), fired={}, options={"fusekern.enable": [name]})
@@ -401,3 +520,41 @@ def test_pass_order_does_not_depend_on_import_order():
     assert names.index("scale_folding") < names.index("fp8_kv_attention") < names.index("decode_attention") \
         < names.index("w8a16_linear_scale_bias") < names.index("decode_matmul") < names.index("sample") \
         < names.index("greedy_mask") < names.index("user_mm") == len(names) - 1, names
+
+
+def test_report_lists_a_decline_once_and_groups_those_at_nodes_another_pattern_took():
+    """The demo's report once listed every decline twice (one per traced variant of a pattern) and 14 lines of
+    scale_folding declines at matmuls decode_matmul then took; those now take one line per reason."""
+    from fusekern.compiler_pass import report as R
+
+    R.reset_match_report()
+    with R.graph_report("post_grad") as g:
+        for _ in range(2):  # (two variants of one pattern reach the same node)
+            R.record_rejection("w8a16", "mm_1", "weight dtype torch.float8_e4m3fn is not int8")
+        for i in range(3):
+            R.record_rejection("scale_folding", f"mm_{i + 2}", "no scale to fold")
+        g.fired["decode_matmul"] += 3
+        R.mark_superseded(g, alive={"mm_1", "x", "out"})
+    text = str(R.match_report())
+    assert text.count("weight dtype torch.float8_e4m3fn is not int8") == 1
+    assert "declined w8a16" in text and " at mm_1:" in text
+    assert "scale_folding                            x3, nodes another pattern then took: no scale to fold" in text
+    assert "at mm_2" not in text
+    assert len(R.match_report().rejections()) == 4  # (every decline stays in the data)
+    R.reset_match_report()
+
+
+def test_graph_dumps_are_named_by_the_reports_graph_id(tmp_path):
+    """Dumps (a dump_dir alone bypasses inductor's cache, which would skip the passes) carry the graph id the
+    match report prints, before and after the passes."""
+    fusekern.reset_match_report()
+    f = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s  # noqa: E731
+    x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(-9, 9, (16, 32), dtype=torch.int8)
+    torch.compile(f, backend="fusekern", options={"fusekern.dump_dir": str(tmp_path)})(x, w, torch.rand(16))
+    fired = [g for g in fusekern.match_report().graphs if g.fired]
+    assert len(fired) == 1
+    names = {p.name.split("-", 1)[1] for p in tmp_path.iterdir()}
+    assert {f"graph{fired[0].graph_id}-post_grad-before.txt", f"graph{fired[0].graph_id}-post_grad-after.txt"} <= names
+    after = (tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.endswith(
+        f"graph{fired[0].graph_id}-post_grad-after.txt"))).read_text()
+    assert "w8a16_linear" in after

@@ -106,7 +106,31 @@ class Pattern:
                 h.update(f.read())
         h.update(repr((self.name, sorted(self.inputs.items()), sorted(self.dtypes.items(), key=str),
                        sorted(self.dims.items()), self.stage, self.kernel_version)).encode())
+        h.update(_closure_of(self.check).encode())
+        if not all(_in_package(fn) for fn in fns if fn is not None):
+            # What the pass puts in a graph: the traced search and replacement of every variant, with the
+            # values their sources do not show (a closure's constant, a helper module's global, a function
+            # defined by exec). fusekern's own code is in the pass's key already (every file of the package).
+            h.update(self._traced_code().encode())
         return h.hexdigest()[:16]
+
+    def _traced_code(self) -> str:
+        from torch._inductor.virtualized import V
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from fusekern.compiler_pass.canonicalize import trace
+
+        parts = []
+        for variant in self.variants():
+            mode = FakeTensorMode()
+            fake = [mode.from_tensor(t) for t in self.example_inputs(variant).values()]
+            with V.set_fake_mode(mode):
+                for fn in (self.search, self.replacement):
+                    try:
+                        parts.append(trace(fn, fake).code)
+                    except Exception as e:  # noqa: BLE001 - (registration refuses these; a Pattern made by hand)
+                        parts.append(f"untraceable: {type(e).__name__}")
+        return "\n".join(parts)
 
     def tol(self, dtype: torch.dtype) -> float:
         return self.tolerance.get(dtype, DEFAULT_TOLERANCE.get(dtype, 1e-2))
@@ -197,6 +221,32 @@ def _file_of(fn) -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
+def _in_package(fn) -> bool:
+    """Whether ``fn`` is defined in fusekern's own package (whose every file the pass's cache key hashes)."""
+    path = _file_of(fn)
+    return path is not None and os.path.abspath(path).startswith(_PACKAGE_DIR + os.sep)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _closure_of(fn, seen: set | None = None) -> str:
+    """The values ``fn``'s source does not show: its constants and its closure cells (functions in them, in turn)."""
+    code = getattr(fn, "__code__", None)
+    seen = set() if seen is None else seen
+    if code is None or id(fn) in seen:
+        return ""
+    seen.add(id(fn))
+    parts = [repr(code.co_consts)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        parts.append(_closure_of(value, seen) if callable(value) else repr(value))
+    return "|".join(parts)
+
+
 def _source_of(fn) -> str:
     if fn is None:
         return ""
@@ -271,6 +321,9 @@ def register_pattern(
     Raises PatternError (naming the pattern) on a duplicate name, a search function that cannot be
     traced, or a replacement whose output shape or dtype differs on any example variant.
     """
+    if name is not None and not isinstance(name, str):
+        raise PatternError(f"register_pattern(name, search, replacement, inputs=...): the name comes first and "
+                           f"must be a string, got {name!r}")
     if search is None:
         def decorator(fn):
             register_pattern(name or fn.__name__, fn, replacement, inputs=inputs, dtypes=dtypes, dims=dims,
@@ -286,7 +339,10 @@ def register_pattern(
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
     )
-    _add("pattern", pattern, validate)
+    # The built-ins' own tests run them through inductor's pass (tests/test_backend_and_registry.py), and
+    # importing fusekern should not trace them twice; user patterns are tried at registration.
+    builtin = _registering_module() in BUILTIN_MODULES
+    _add("pattern", pattern, validate if builtin else _validate_and_try)
     log.debug("registered pattern %s (%s, %s)", pattern.name, pattern.family, pattern.stage)
     return pattern
 
@@ -315,7 +371,10 @@ def validate(p: Pattern) -> None:
             raise PatternError(f"pattern {p.name!r}: dtypes[{key!r}] must be a non-empty tuple of torch dtypes, "
                                f"got {values!r}")
     named = {d for spec in p.inputs.values() for d in spec.shape if isinstance(d, str)}
-    for dim in p.dims:
+    for dim, value in p.dims.items():
+        if not isinstance(value, Dim):
+            raise PatternError(f"pattern {p.name!r}: dims[{dim!r}] must be a fusekern.Dim(min=, max=, multiple_of=, "
+                               f"trace=), got {value!r}")
         if dim not in named:
             raise PatternError(f"pattern {p.name!r}: dims names {dim!r}, which no input's shape uses ({sorted(named)})")
     for dtype, tol in p.tolerance.items():
@@ -364,6 +423,85 @@ def validate(p: Pattern) -> None:
             raise PatternError(f"pattern {p.name!r} [{variant.label()}]: search function cannot be traced: its "
                                "traced output does not depend on its inputs (Python-side work such as .numpy(), "
                                ".item() or .tolist() was baked in as a constant)")
+
+
+def _validate_and_try(p: Pattern) -> None:
+    validate(p)
+    _rewrites_its_own_search(p)
+
+
+def _rewrites_its_own_search(p: Pattern) -> None:
+    """Run the pattern's inductor pass on each variant's traced search, on fake tensors as a compile does:
+    it must rewrite it, without error. A pattern that passed the other checks could still fail there (an
+    input the traced graph does not use, a tensor constant built inside the search, a replacement that reads
+    a tensor's value), and then it would fail every later compile through fusekern, its own or not, with an
+    error that does not name it."""
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusekern.compiler_pass.canonicalize import trace
+
+    searches = []
+    for variant in p.variants():
+        where = f"pattern {p.name!r} [{variant.label()}]"
+        mode = FakeTensorMode()
+        fake = [mode.from_tensor(t) for t in p.example_inputs(variant).values()]
+        with V.set_fake_mode(mode):
+            try:
+                search = trace(p.search, fake).graph
+            except Exception as e:
+                raise PatternError(f"{where}: the search cannot be traced on fake tensors, as a compile traces "
+                                   f"the user's graph (a tensor built inside from Python values, torch.tensor(...), "
+                                   f"cannot be matched: make it an input): {type(e).__name__}: {e}") from e
+            _check_traced_search(where, search, list(p.inputs))
+            try:
+                replacement = trace(p.replacement, fake).graph
+            except Exception as e:
+                raise PatternError(f"{where}: the replacement cannot be traced on fake tensors, as inductor "
+                                   f"traces it where the pattern matches (no .item(), .tolist(), .numpy(), control "
+                                   f"flow on values, or torch.tensor(...) of Python values): {type(e).__name__}: "
+                                   f"{e}") from e
+        if any(n.op == "get_attr" for n in replacement.nodes):
+            raise PatternError(f"{where}: the replacement builds a tensor constant (torch.tensor(...) of Python "
+                               "values); make it an input or a Python scalar")
+        if p.check is not None:
+            try:
+                with V.set_fake_mode(mode):
+                    p.check(dict(zip(p.inputs, fake)))
+            except Exception as e:
+                raise PatternError(f"{where}: the check raised on fake tensors, which is all it gets in a compile "
+                                   f"(shapes, strides, dtypes and devices; no values): {type(e).__name__}: "
+                                   f"{e}") from e
+        searches.append((where, mode, search))
+    try:
+        mpass = _build_matcher_pass(p)
+    except Exception as e:
+        raise PatternError(f"pattern {p.name!r}: inductor cannot build its pass: {type(e).__name__}: {e}") from e
+    for where, mode, search in searches:
+        try:
+            with V.set_fake_mode(mode):
+                fired = mpass.apply(search)
+        except Exception as e:
+            raise PatternError(f"{where}: inductor's pass fails on the pattern's own traced search, as it would "
+                               f"in every compile: {type(e).__name__}: {e}") from e
+        if not fired and p.check is None:  # (a check may decline the example inputs)
+            raise PatternError(f"{where}: the pattern does not match its own traced search")
+
+
+def _check_traced_search(where: str, graph: torch.fx.Graph, names: list[str]) -> None:
+    """What inductor's matcher cannot bind or replace in a traced search, said in the pattern's terms."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if any(a.op == "placeholder" for a in output.all_input_nodes):
+        raise PatternError(f"{where}: the search returns an input as it is: there is nothing to rewrite")
+    unused = [name for name, n in zip(names, placeholders) if not n.users]
+    if unused:
+        raise PatternError(f"{where}: the search's traced graph does not use input(s) {unused} (an input read "
+                           "only for its shape, or not at all, cannot be bound by the matcher): drop them, or "
+                           "take the size from another input")
+    if any(n.op == "get_attr" for n in graph.nodes):
+        raise PatternError(f"{where}: the search builds a tensor constant (torch.tensor(...) of Python values), "
+                           "which inductor's matcher cannot match; make it an input of the pattern")
 
 
 def _output_depends_on_inputs(graph: torch.fx.Graph) -> bool:

@@ -27,6 +27,14 @@ class Dim:
     def __post_init__(self):
         if self.min < 1 or self.max < self.min or self.multiple_of < 1:
             raise ValueError(f"bad Dim {self}")
+        if -(-self.min // self.multiple_of) > self.max // self.multiple_of:
+            raise ValueError(f"Dim {self} allows no size: no multiple of {self.multiple_of} in "
+                             f"[{self.min}, {self.max}]")
+        if self.trace is not None and not self.allows(self.trace):
+            raise ValueError(f"Dim {self}: its trace size {self.trace} is not an allowed size")
+
+    def allows(self, size: int) -> bool:
+        return self.min <= size <= self.max and size % self.multiple_of == 0
 
     def sample(self, rng: random.Random) -> int:
         lo = -(-self.min // self.multiple_of)
@@ -155,11 +163,14 @@ def trace_sizes(inputs: Mapping[str, TensorSpec], dims: Mapping[str, Dim]) -> di
         dim = dims.get(name, Dim())
         if dim.trace is not None:
             size = dim.trace
-        else:
-            size = max(candidate, dim.min)
-            size = -(-size // dim.multiple_of) * dim.multiple_of
-            while size in used:
+        else:  # the smallest allowed size above the last one, else the largest unused one below it
+            size = -(-max(candidate, dim.min) // dim.multiple_of) * dim.multiple_of
+            while size in used and size <= dim.max:
                 size += dim.multiple_of
+            if size > dim.max:
+                size = dim.max // dim.multiple_of * dim.multiple_of
+                while size in used and size - dim.multiple_of >= dim.min:
+                    size -= dim.multiple_of
         sizes[name] = size
         used.add(size)
         candidate = size + 1

@@ -115,7 +115,7 @@ def check_pattern(
         layout = layouts[(i // len(variants)) % len(layouts)]
         sizes = random_sizes(p.inputs, p.dims, rng)
         args = make_inputs(p.inputs, variant, sizes, device=device, seed=seed * 1000 + i, layout=layout)
-        if p.run_check(args) is not None:
+        if p.run_check(_as_compiled_sees(args)) is not None:
             result.declined += 1
             continue
         want = p.search(**args)
@@ -131,6 +131,15 @@ def check_pattern(
             err, note = float("inf"), f"replacement gave {tuple(got.shape)} {got.dtype}, search {tuple(want.shape)} {want.dtype}"
         result.cases.append(Case(variant.label(), sizes, layout, err, tol, note))
     return result
+
+
+def _as_compiled_sees(args: dict) -> dict:
+    """The inputs as a pattern's check sees them in a compile: fake tensors (shape, strides, dtype and device,
+    no values), so that a check reading values declines here as it would there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 # ----------------------------------------------------------------------------- (b) a compiled function
