@@ -17,7 +17,7 @@ from fusekern.compiler_pass.example_inputs import digest as example_digest
 from fusekern.compiler_pass.example_inputs import provided as example_inputs_for_passes
 from fusekern.compiler_pass.options import FusekernOptions
 from fusekern.compiler_pass.pass_manager import make_stage_passes
-from fusekern.compiler_pass.report import add_cache_hits
+from fusekern.compiler_pass.report import add_cache_hits, cached_fired, compiled_key, graphs_so_far, record_compiled
 from fusekern.patterns.registry import FAMILIES, Pattern, all_patterns
 
 log = logging.getLogger("fusekern")
@@ -37,6 +37,13 @@ def select_patterns(options: FusekernOptions) -> list[Pattern]:
     if options.enable is not None:
         patterns = [p for p in patterns if named(p, options.enable)]
     return [p for p in patterns if not named(p, options.disable)]
+
+
+def _layout(t) -> tuple | str:
+    """What of an example input a compiled graph depends on, for the match record's key."""
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.stride(), t.dtype, t.device.type)
+    return repr(t)
 
 
 def fusekern_backend(
@@ -59,18 +66,28 @@ def fusekern_backend(
         if hasattr(p, "example_digest"):
             p.example_digest = digest
     config_patches.update(passes)
-    # Debug asks to see the passes run, and a cache hit would skip them.
+    # Debug and graph dumps ask to see the passes run, and a cache hit would skip them.
     no_cache = contextlib.nullcontext()
-    if opts.debug:
+    if opts.dumps():
         config_patches["fx_graph_cache"] = False
         no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
 
-    hits_before = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    # A graph AOTAutograd's cache returns also counts a hit of inductor's FX graph cache (the entry it loads):
+    # one graph, so the larger count, not the sum.
+    fx_before, aot_before = counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
+    mark = graphs_so_far()
     with no_cache, example_inputs_for_passes(example_inputs):
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits_before
+    hits = max(counters["inductor"]["fxgraph_cache_hit"] - fx_before,
+               counters["aot_autograd"]["autograd_cache_hit"] - aot_before)
+    # What fired, kept beside inductor's cache so that a later process that loads this graph can say it
+    key = compiled_key(gm.code, [_layout(t) for t in example_inputs], mode,
+                       sorted((k, repr(v)) for k, v in config_patches.items() if not hasattr(v, "uuid")),
+                       [p.uuid() for p in passes.values()])
     if hits:
-        add_cache_hits(hits)
+        add_cache_hits(hits, cached_fired(key))
+    else:
+        record_compiled(key, mark)
     if opts.debug:
         from fusekern.compiler_pass.report import match_report
 

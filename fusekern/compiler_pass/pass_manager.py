@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fusekern.compiler_pass.canonicalize import canonicalize
 from fusekern.compiler_pass.options import FusekernOptions
-from fusekern.compiler_pass.report import graph_report
+from fusekern.compiler_pass.report import mark_superseded, graph_report
 from fusekern.compiler_pass.unpad import restore, unpad
 from fusekern.patterns.registry import Pattern
 
@@ -90,7 +90,7 @@ class FusekernGraphPass(CustomGraphPass):
             # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
             # graph as it is, so a stage with only those leaves the user's graph untouched.
             canonicalize(graph)
-        self._dump(graph, "before")  # (as the patterns see it: unpadded and canonicalized)
+        before = str(graph) if self.options.dumps() else None  # (as the patterns see it: unpadded, canonical)
         with graph_report(self.stage) as report:
             report.nodes_before = len(graph.nodes)
             for p in self.patterns:
@@ -100,8 +100,11 @@ class FusekernGraphPass(CustomGraphPass):
             restore(graph, unpadded)
             if report.fired:
                 graph.eliminate_dead_code()
+                mark_superseded(report, {n.name for n in graph.nodes})
             report.nodes_after = len(graph.nodes)
-        self._dump(graph, "after", report.graph_id)
+        if before is not None:
+            self._dump(before, "before", report.graph_id)
+            self._dump(str(graph), "after", report.graph_id)
 
     def uuid(self) -> str | None:
         parts = [PASS_VERSION, _machinery_hash(), self.stage, [(p.name, p.fingerprint) for p in self.patterns],
@@ -113,16 +116,14 @@ class FusekernGraphPass(CustomGraphPass):
             parts.append(uid)
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
-    def _dump(self, graph: torch.fx.Graph, when: str, graph_id: int | None = None) -> None:
-        if not self.options.dumps():
-            return
+    def _dump(self, text: str, when: str, graph_id: int) -> None:
+        """``<dump_dir>/<pid>-graph<id>-<stage>-<before|after>.txt``, the id the match report gives the graph."""
         out_dir = self.options.dump_dir or os.path.join(tempfile.gettempdir(), "fusekern-graphs")
         os.makedirs(out_dir, exist_ok=True)
-        tag = f"{os.getpid()}-{id(graph):x}-{self.stage}-{when}"
-        path = os.path.join(out_dir, f"{tag}.txt")
+        path = os.path.join(out_dir, f"{os.getpid()}-graph{graph_id}-{self.stage}-{when}.txt")
         with open(path, "w") as f:
-            f.write(str(graph))
-        log.info("fusekern: dumped graph %s to %s", when, path)
+            f.write(text)
+        log.info("fusekern: dumped graph %d %s to %s", graph_id, when, path)
 
 
 def make_stage_passes(patterns: Sequence[Pattern], options: FusekernOptions, config_patches: dict) -> dict:

@@ -2,13 +2,17 @@
 
 Every graph the fusekern passes see gets a ``GraphReport``; ``match_report()`` returns all of them
 since the last ``reset_match_report()``. Graphs that inductor loaded from its FX graph cache never
-reach the passes: they are counted as cache hits, with the patterns as they were when first compiled.
+reach the passes: they are counted as cache hits, with what fired in them when they were first compiled
+(``record_compiled`` writes that beside inductor's cache, ``cached_fired`` reads it back).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -20,6 +24,7 @@ class Rejection:
     pattern: str
     node: str
     reason: str
+    superseded: bool = False  # the node was then rewritten by another pattern
 
 
 @dataclass
@@ -37,6 +42,8 @@ class GraphReport:
 class MatchReport:
     graphs: list[GraphReport] = field(default_factory=list)
     cache_hits: int = 0  # graphs inductor took from its FX graph cache (passes did not run)
+    cached_fired: collections.Counter = field(default_factory=collections.Counter)  # in them, when compiled
+    cached_unknown: int = 0  # cache hits with no record of what fired (compiled before fusekern kept one)
 
     def fired(self) -> collections.Counter:
         """Matches per pattern, summed over graphs."""
@@ -64,13 +71,22 @@ class MatchReport:
             for r in g.notes:
                 lines.append(f"      {r.pattern} at {r.node}: {r.reason}")
             for r in g.rejected:
-                lines.append(f"    declined {r.pattern:<40} at {r.node}: {r.reason}")
+                if not r.superseded:
+                    lines.append(f"    declined {r.pattern:<40} at {r.node}: {r.reason}")
+            # Declines at nodes another pattern then rewrote: one line per pattern and reason
+            taken = collections.Counter((r.pattern, r.reason) for r in g.rejected if r.superseded)
+            for (pattern, reason), n in sorted(taken.items()):
+                lines.append(f"    declined {pattern:<40} x{n}, nodes another pattern then took: {reason}")
         quiet = sum(1 for g in self.graphs if not g.fired and not g.rejected)
         if quiet:
             lines.append(f"  {quiet} graph pass(es) with no candidate")
         if self.cache_hits:
             lines.append(f"  {self.cache_hits} graph(s) loaded from inductor's FX graph cache "
                          "(rewritten when first compiled; not re-examined)")
+            for name, n in sorted(self.cached_fired.items()):
+                lines.append(f"    fired    {name:<40} x{n} (when first compiled)")
+            if self.cached_unknown:
+                lines.append(f"    ({self.cached_unknown} of them with no record of what fired)")
         return "\n".join(lines)
 
 
@@ -91,9 +107,56 @@ def reset_match_report() -> None:
         _report = MatchReport()
 
 
-def add_cache_hits(n: int) -> None:
+def add_cache_hits(n: int, fired: collections.Counter | None = None) -> None:
+    """``n`` graphs loaded from inductor's cache; ``fired``: what fired in them when compiled, if recorded."""
     with _lock:
         _report.cache_hits += n
+        if fired is None:
+            _report.cached_unknown += n
+        else:
+            _report.cached_fired.update(fired)
+
+
+def graphs_so_far() -> int:
+    """How many graph reports there are now (``record_compiled`` takes those after this mark)."""
+    return len(_report.graphs)
+
+
+def _record_path(key: str) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "fusekern_reports", key + ".json")
+
+
+def compiled_key(*parts) -> str:
+    """A key for one compile's record: the graph's code, its inputs' layouts and the passes' cache keys."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def record_compiled(key: str, mark: int) -> None:
+    """Keep what fired in the graphs reported since ``mark`` (one compile's), for when inductor's cache hits.
+    Advisory: a cache directory that cannot be written only loses the record."""
+    fired: collections.Counter = collections.Counter()
+    for g in _report.graphs[mark:]:
+        fired.update(g.fired)
+    path = _record_path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(fired), f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("fusekern: could not keep the match record %s: %s", path, e)
+
+
+def cached_fired(key: str) -> collections.Counter | None:
+    """What ``record_compiled`` kept for ``key``, or None."""
+    try:
+        with open(_record_path(key)) as f:
+            return collections.Counter({str(k): int(v) for k, v in json.load(f).items()})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 @contextlib.contextmanager
@@ -117,9 +180,19 @@ def graph_report(stage: str):
 
 
 def record_rejection(pattern: str, node: str, reason: str) -> None:
+    """Why ``pattern`` did not fire at ``node``; once per (pattern, node, reason) and graph (inductor's matcher
+    tries each traced variant of a pattern, and each may come to the same node)."""
     g = getattr(_current, "graph", None)
     if g is not None:
-        g.rejected.append(Rejection(pattern, node, reason))
+        r = Rejection(pattern, node, reason)
+        if r not in g.rejected:
+            g.rejected.append(r)
+
+
+def mark_superseded(g: GraphReport, alive: set[str]) -> None:
+    """Declines at nodes no longer in the graph (another pattern rewrote them): the report groups them."""
+    for r in g.rejected:
+        r.superseded = r.node not in alive
 
 
 def record_note(pattern: str, node: str, text: str) -> None:
