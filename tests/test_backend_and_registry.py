@@ -558,3 +558,21 @@ def test_graph_dumps_are_named_by_the_reports_graph_id(tmp_path):
     after = (tmp_path / next(p.name for p in tmp_path.iterdir() if p.name.endswith(
         f"graph{fired[0].graph_id}-post_grad-after.txt"))).read_text()
     assert "w8a16_linear" in after
+
+
+def test_a_pattern_that_fails_in_a_compile_is_named(monkeypatch):
+    """What registration cannot foresee (a failure on one graph's shapes) stops the compile with the pattern's
+    name and the option that leaves it out, not an inductor error that names no pattern."""
+    name = "user_fails_late"
+    fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC)
+    try:
+        def boom(graph):
+            raise NotImplementedError("a shape the pattern did not foresee")
+
+        monkeypatch.setattr(get_pattern(name).matcher_pass(), "apply", boom)
+        with pytest.raises(Exception, match=r"pattern 'user_fails_late' \(user\) failed while rewriting a graph: "
+                                            r"NotImplementedError.*'fusekern.disable': \['user_fails_late'\]"):
+            torch.compile(_mm, backend="fusekern", options={"fusekern.enable": [name]})(
+                torch.randn(5, 12), torch.randn(7, 12))
+    finally:
+        fusekern.unregister_pattern(name)

@@ -94,7 +94,14 @@ class FusekernGraphPass(CustomGraphPass):
         with graph_report(self.stage) as report:
             report.nodes_before = len(graph.nodes)
             for p in self.patterns:
-                n = p.matcher_pass().apply(graph)
+                try:
+                    n = p.matcher_pass().apply(graph)
+                except Exception as e:
+                    # The graph may be half rewritten: no way to go on with it, but the error names the pattern
+                    raise RuntimeError(
+                        f"fusekern: pattern {p.name!r} ({p.family}) failed while rewriting a graph: "
+                        f"{type(e).__name__}: {e}. Compile without it: options={{'fusekern.disable': "
+                        f"[{p.name!r}]}}") from e
                 if n:
                     report.fired[p.name] += n
             restore(graph, unpadded)
