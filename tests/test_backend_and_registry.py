@@ -273,12 +273,13 @@ MM_RELU = dict(x=fusekern.T("M", "K", dtype=torch.float32), w=fusekern.T("N", "K
     (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: (x @ w.t()) * s * torch.tensor([1.0, 0.0]).sum(), None,
      "replacement cannot be traced on fake tensors"),
     (lambda x, w, s: x, lambda x, w, s: x.clone(), None, "returns an input as it is"),
+    (lambda x, w, s: (x @ w.t()).mul_(s), lambda x, w, s: (x @ w.t()) * s, None, r"writes in place \(aten.mul_"),
     (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: (x @ w.t()) * s * float(s.sum().item() != 0), None,
      "replacement cannot be traced on fake tensors.*DataDependent"),
     (lambda x, w, s: (x @ w.t()) * s, lambda x, w, s: torch.mm(x, w.t()) * s,
      lambda v: None if bool((v["s"] > 0).all()) else "s must be positive", "check raised on fake tensors"),
 ], ids=["unused_input", "shape_only_input", "tensor_constant_in_search", "tensor_constant_in_replacement",
-        "identity", "replacement_reads_a_value", "check_reads_values"])
+        "identity", "in_place", "replacement_reads_a_value", "check_reads_values"])
 def test_what_inductor_could_not_apply_is_refused_at_registration(search, replacement, check, why):
     """Each of these passed registration and the harness once, then failed in the compile (every later compile
     of the process, for the tensor constant) with errors that did not name the pattern, or never fired (the

@@ -499,6 +499,11 @@ def _check_traced_search(where: str, graph: torch.fx.Graph, names: list[str]) ->
         raise PatternError(f"{where}: the search's traced graph does not use input(s) {unused} (an input read "
                            "only for its shape, or not at all, cannot be bound by the matcher): drop them, or "
                            "take the size from another input")
+    mutating = [str(n.target) for n in graph.nodes
+                if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+    if mutating:
+        raise PatternError(f"{where}: the search writes in place ({', '.join(mutating)}); the graphs a compile "
+                           "rewrites are functional (y.mul_(s) there is y * s), so write it out of place")
     if any(n.op == "get_attr" for n in graph.nodes):
         raise PatternError(f"{where}: the search builds a tensor constant (torch.tensor(...) of Python values), "
                            "which inductor's matcher cannot match; make it an input of the pattern")
