@@ -577,3 +577,28 @@ def test_a_pattern_that_fails_in_a_compile_is_named(monkeypatch):
                 torch.randn(5, 12), torch.randn(7, 12))
     finally:
         fusekern.unregister_pattern(name)
+
+
+def test_user_pattern_fingerprint_is_the_same_in_every_process(tmp_path):
+    """A key that changed from one process to the next (a nested lambda's code object or an object in a closure
+    printed with its address) would make inductor's cache miss for that pattern every time."""
+    (tmp_path / "user_fp.py").write_text(
+        "import torch, fusekern\n"
+        "from fusekern.patterns.registry import Pattern\n"
+        "class Limit:\n    pass\n"
+        "LIMIT = Limit()\n"
+        "def make(limit):\n"
+        "    def check(v):\n"
+        "        rows = lambda t: t.shape[0]\n"
+        "        return None if limit is not None and rows(v['x']) > 0 else 'no'\n"
+        "    return check\n"
+        "spec = dict(x=fusekern.T('M', 'K', dtype=torch.float32), w=fusekern.T('N', 'K', dtype=torch.float32))\n"
+        "p = Pattern('fp', lambda x, w: torch.relu(x @ w.t()), lambda x, w: torch.clamp_min(x @ w.t(), 0.0),\n"
+        "            inputs=spec, check=make(LIMIT))\n"
+        "print('FP', p.fingerprint)\n")
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import user_fp"
+    prints = [run_py(code) for _ in range(2)]
+    for proc in prints:
+        assert proc.returncode == 0, proc.stderr
+    fps = [line for proc in prints for line in proc.stdout.splitlines() if line.startswith("FP ")]
+    assert len(fps) == 2 and fps[0] == fps[1]

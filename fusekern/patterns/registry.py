@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -237,14 +238,26 @@ def _closure_of(fn, seen: set | None = None) -> str:
     if code is None or id(fn) in seen:
         return ""
     seen.add(id(fn))
-    parts = [repr(code.co_consts)]
+    parts = [_stable_repr(code.co_consts)]
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # (an empty cell)
             continue
-        parts.append(_closure_of(value, seen) if callable(value) else repr(value))
+        parts.append(_closure_of(value, seen) if callable(value) else _stable_repr(value))
     return "|".join(parts)
+
+
+def _stable_repr(value) -> str:
+    """``repr`` without what changes from one process to the next (a cache key must not): a code object (a
+    nested function's, in ``co_consts``) by its bytecode and constants, an object whose repr is its address
+    by its type."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    if isinstance(value, types.CodeType):
+        return f"code({value.co_code!r}, {_stable_repr(value.co_consts)}, {value.co_names!r})"
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
 
 
 def _source_of(fn) -> str:
