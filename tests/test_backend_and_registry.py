@@ -602,3 +602,15 @@ def test_user_pattern_fingerprint_is_the_same_in_every_process(tmp_path):
         assert proc.returncode == 0, proc.stderr
     fps = [line for proc in prints for line in proc.stdout.splitlines() if line.startswith("FP ")]
     assert len(fps) == 2 and fps[0] == fps[1]
+
+
+def test_a_decline_says_which_line_of_the_users_code_made_the_node():
+    fusekern.reset_match_report()
+    f = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s  # noqa: E731  (fp32 x: the W8A16 patterns decline)
+    torch.compile(f, backend="fusekern", options={"fusekern.debug": True})(
+        torch.randn(3, 32), torch.randint(-9, 9, (16, 32), dtype=torch.int8), torch.rand(16))
+    mine = [r for r in fusekern.match_report().rejections() if r.pattern == "w8a16_linear_scale"]
+    line = test_a_decline_says_which_line_of_the_users_code_made_the_node.__code__.co_firstlineno + 2
+    assert mine and all(r.where == f"test_backend_and_registry.py:{line}" for r in mine), mine
+    assert f"(test_backend_and_registry.py:{line}): activation dtype" in str(fusekern.match_report())
+

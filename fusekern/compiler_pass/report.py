@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ class Rejection:
     node: str
     reason: str
     superseded: bool = False  # the node was then rewritten by another pattern
+    where: str = ""  # the user's source line that made the node ("model.py:42"), where the graph knows it
+
+    def at(self) -> str:
+        return f"{self.node} ({self.where})" if self.where else self.node
 
 
 @dataclass
@@ -72,7 +77,7 @@ class MatchReport:
                 lines.append(f"      {r.pattern} at {r.node}: {r.reason}")
             for r in g.rejected:
                 if not r.superseded:
-                    lines.append(f"    declined {r.pattern:<40} at {r.node}: {r.reason}")
+                    lines.append(f"    declined {r.pattern:<40} at {r.at()}: {r.reason}")
             # Declines at nodes another pattern then rewrote: one line per pattern and reason
             taken = collections.Counter((r.pattern, r.reason) for r in g.rejected if r.superseded)
             for (pattern, reason), n in sorted(taken.items()):
@@ -179,14 +184,27 @@ def graph_report(stage: str):
             log.info("  %s declined at %s: %s", r.pattern, r.node, r.reason)
 
 
-def record_rejection(pattern: str, node: str, reason: str) -> None:
-    """Why ``pattern`` did not fire at ``node``; once per (pattern, node, reason) and graph (inductor's matcher
-    tries each traced variant of a pattern, and each may come to the same node)."""
+def record_rejection(pattern: str, node, reason: str) -> None:
+    """Why ``pattern`` did not fire at ``node`` (an FX node, or its name); once per (pattern, node, reason) and
+    graph (inductor's matcher tries each traced variant of a pattern, and each may come to the same node)."""
     g = getattr(_current, "graph", None)
     if g is not None:
-        r = Rejection(pattern, node, reason)
+        name = getattr(node, "name", None) or str(node)
+        r = Rejection(pattern, name, reason, where=user_line(getattr(node, "meta", {}).get("stack_trace")))
         if r not in g.rejected:
             g.rejected.append(r)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def user_line(stack_trace: str | None) -> str:
+    """"file.py:42" of the innermost frame of a node's stack trace (dynamo keeps the user's frames only)."""
+    frames = _FRAME.findall(stack_trace or "")
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f"{os.path.basename(path)}:{line}"
 
 
 def mark_superseded(g: GraphReport, alive: set[str]) -> None:

@@ -94,7 +94,7 @@ def rewrite_decode_attention(graph: Graph) -> int:
         try:
             note = plan_and_replace(graph, n)
         except Decline as why:
-            record_rejection(NAME, n.name, str(why))
+            record_rejection(NAME, n, str(why))
             continue
         record_note(NAME, n.name, note)
         fired += 1

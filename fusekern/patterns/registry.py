@@ -601,7 +601,7 @@ def _build_matcher_pass(p: Pattern):
             searches.extend(trace(p.search, list(p.example_inputs(v).values())).graph for v in p.variants())
         why = unmatched_keyword(searches, match.nodes)
         if why is not None:
-            record_rejection(p.name, str(match.output_nodes()[0]), why)
+            record_rejection(p.name, match.output_nodes()[0], why)
             return False
         values = {}
         for arg in argnames:
@@ -609,7 +609,7 @@ def _build_matcher_pass(p: Pattern):
             values[arg] = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
         reason = p.run_check(values)
         if reason is not None:
-            record_rejection(p.name, str(match.output_nodes()[0]), reason)
+            record_rejection(p.name, match.output_nodes()[0], reason)
             return False
         return True
 

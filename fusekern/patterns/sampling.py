@@ -781,7 +781,7 @@ def rewrite_samplers(graph: Graph) -> int:
         except Decline as why:
             # Say why not, for what looked like a sampler: a race (argmax of a ratio) or a multinomial.
             if _is(node, aten.multinomial.default) or _is(_strip_casts(node.args[0]), aten.div.Tensor):
-                record_rejection("sample", node.name, str(why))
+                record_rejection("sample", node, str(why))
             continue
         _replace(graph, m)
         fired += 1

@@ -137,7 +137,7 @@ def rewrite_greedy(graph: Graph) -> int:
         except Decline as why:
             y = node.args[0]
             if _is(y, aten.scatter.value, aten.index_put.default, aten.where.self):
-                record_rejection(NAME, node.name, str(why))
+                record_rejection(NAME, node, str(why))
             continue
         t = m["temperature"]
         t_node = t if isinstance(t, Node) else None

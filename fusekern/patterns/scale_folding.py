@@ -729,7 +729,7 @@ def rewrite_scaled_matmuls(graph: Graph) -> int:
             note = _replace(graph, p)
         except Decline as why:
             if not isinstance(why, NotOurs) and _is_candidate(mm):
-                record_rejection(NAME, mm.name, str(why))
+                record_rejection(NAME, mm, str(why))
             continue
         record_note(NAME, mm.name, note)
         fired += 1

@@ -301,7 +301,7 @@ def rewrite_fp8_kv_attention(graph: Graph) -> int:
         except Decline as why:
             k = _arguments(n).get("key")
             if any(_val(a) is not None and _val(a).dtype.itemsize == 1 for a in _ancestors_limited(k)):
-                record_rejection(NAME, n.name, str(why))
+                record_rejection(NAME, n, str(why))
             continue
         record_note(NAME, n.name, note)
         fired += 1

@@ -82,7 +82,7 @@ def group_decode_matmuls(graph: Graph) -> int:
                 continue
             order = {n: k for k, n in enumerate(graph.nodes)}  # (afresh: earlier groups added nodes)
             if not _ready_before(members, order):
-                record_rejection(NAME, members[0].name, "a later member's leaves are computed after the "
+                record_rejection(NAME, members[0], "a later member's leaves are computed after the "
                                                         "first member: the calls stay separate")
                 continue
             x, layout = members[0].args[0], members[0].args[4]

@@ -268,12 +268,12 @@ def rewrite_decode_matmuls(graph: Graph) -> int:
             cone, prog = plan(mm)
         except Unsupported as why:
             if _is_candidate(mm):
-                record_rejection(NAME, mm.name, str(why))
+                record_rejection(NAME, mm, str(why))
             continue
         try:
             note = _replace(graph, cone, prog)  # (raises before it changes the graph)
         except Unsupported as why:
-            record_rejection(NAME, mm.name, str(why))
+            record_rejection(NAME, mm, str(why))
             continue
         record_note(NAME, mm.name, note)
         fired += 1
