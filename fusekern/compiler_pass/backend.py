@@ -81,12 +81,17 @@ def fusekern_backend(
     hits = max(counters["inductor"]["fxgraph_cache_hit"] - fx_before,
                counters["aot_autograd"]["autograd_cache_hit"] - aot_before)
     # What fired, kept beside inductor's cache so that a later process that loads this graph can say it
-    key = compiled_key(gm.code, [_layout(t) for t in example_inputs], mode,
-                       sorted((k, repr(v)) for k, v in config_patches.items() if not hasattr(v, "uuid")),
-                       [p.uuid() for p in passes.values()])
+    # (advisory: no failure of it fails the compile)
+    try:
+        key = compiled_key(gm.code, [_layout(t) for t in example_inputs], mode,
+                           sorted((k, repr(v)) for k, v in config_patches.items() if not hasattr(v, "uuid")),
+                           [p.uuid() for p in passes.values()])
+    except Exception as e:  # noqa: BLE001
+        log.debug("fusekern: no match record for this graph: %s", e)
+        key = None
     if hits:
-        add_cache_hits(hits, cached_fired(key))
-    else:
+        add_cache_hits(hits, cached_fired(key) if key is not None else None)
+    elif key is not None:
         record_compiled(key, mark)
     if opts.debug:
         from fusekern.compiler_pass.report import match_report

@@ -90,8 +90,9 @@ class FusekernGraphPass(CustomGraphPass):
             # Traced patterns were canonicalized the same way; structural rewrites (sampling) read the
             # graph as it is, so a stage with only those leaves the user's graph untouched.
             canonicalize(graph)
-        before = str(graph) if self.options.dumps() else None  # (as the patterns see it: unpadded, canonical)
         with graph_report(self.stage) as report:
+            if self.options.dumps():  # (as the patterns see it: unpadded, canonical; before a pattern can fail)
+                self._dump(str(graph), "before", report.graph_id)
             report.nodes_before = len(graph.nodes)
             for p in self.patterns:
                 try:
@@ -104,13 +105,13 @@ class FusekernGraphPass(CustomGraphPass):
                         f"[{p.name!r}]}}") from e
                 if n:
                     report.fired[p.name] += n
+            if report.fired:  # (before restore, which rebuilds the unpadded matmuls nothing took)
+                mark_superseded(report, {n.name for n in graph.nodes})
             restore(graph, unpadded)
             if report.fired:
                 graph.eliminate_dead_code()
-                mark_superseded(report, {n.name for n in graph.nodes})
             report.nodes_after = len(graph.nodes)
-        if before is not None:
-            self._dump(before, "before", report.graph_id)
+        if self.options.dumps():
             self._dump(str(graph), "after", report.graph_id)
 
     def uuid(self) -> str | None:

@@ -39,6 +39,7 @@ class GraphReport:
     fired: collections.Counter = field(default_factory=collections.Counter)
     rejected: list[Rejection] = field(default_factory=list)
     notes: list[Rejection] = field(default_factory=list)  # what a rewrite says about a match it made
+    seen: set = field(default_factory=set, repr=False)  # (pattern, node, reason) recorded, for the dedupe
     nodes_before: int = 0
     nodes_after: int = 0
 
@@ -122,9 +123,10 @@ def add_cache_hits(n: int, fired: collections.Counter | None = None) -> None:
             _report.cached_fired.update(fired)
 
 
-def graphs_so_far() -> int:
-    """How many graph reports there are now (``record_compiled`` takes those after this mark)."""
-    return len(_report.graphs)
+def graphs_so_far() -> tuple:
+    """A mark of the graph reports there are now (``record_compiled`` takes those after it)."""
+    with _lock:
+        return _report, len(_report.graphs)
 
 
 def _record_path(key: str) -> str:
@@ -138,21 +140,24 @@ def compiled_key(*parts) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
-def record_compiled(key: str, mark: int) -> None:
-    """Keep what fired in the graphs reported since ``mark`` (one compile's), for when inductor's cache hits.
-    Advisory: a cache directory that cannot be written only loses the record."""
+def record_compiled(key: str, mark: tuple) -> None:
+    """Keep what fired in the graphs reported since ``mark`` (one compile's: a forward graph's; a training
+    graph's backward compiles later), for when inductor's cache hits. Advisory: a cache directory that cannot
+    be written only loses the record."""
+    report, start = mark
     fired: collections.Counter = collections.Counter()
-    for g in _report.graphs[mark:]:
-        fired.update(g.fired)
-    path = _record_path(key)
+    with _lock:
+        for g in report.graphs[start:]:
+            fired.update(g.fired)
     try:
+        path = _record_path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(dict(fired), f)
         os.replace(tmp, path)
     except OSError as e:
-        log.debug("fusekern: could not keep the match record %s: %s", path, e)
+        log.debug("fusekern: could not keep the match record for %s: %s", key, e)
 
 
 def cached_fired(key: str) -> collections.Counter | None:
@@ -160,7 +165,7 @@ def cached_fired(key: str) -> collections.Counter | None:
     try:
         with open(_record_path(key)) as f:
             return collections.Counter({str(k): int(v) for k, v in json.load(f).items()})
-    except (OSError, ValueError, AttributeError, TypeError):
+    except Exception:  # noqa: BLE001 - advisory: no record
         return None
 
 
@@ -190,9 +195,10 @@ def record_rejection(pattern: str, node, reason: str) -> None:
     g = getattr(_current, "graph", None)
     if g is not None:
         name = getattr(node, "name", None) or str(node)
-        r = Rejection(pattern, name, reason, where=user_line(getattr(node, "meta", {}).get("stack_trace")))
-        if r not in g.rejected:
-            g.rejected.append(r)
+        if (pattern, name, reason) not in g.seen:
+            g.seen.add((pattern, name, reason))
+            g.rejected.append(Rejection(pattern, name, reason,
+                                        where=user_line(getattr(node, "meta", {}).get("stack_trace"))))
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')

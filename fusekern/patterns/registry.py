@@ -125,7 +125,7 @@ class Pattern:
         for variant in self.variants():
             mode = FakeTensorMode()
             fake = [mode.from_tensor(t) for t in self.example_inputs(variant).values()]
-            with V.set_fake_mode(mode):
+            with V.set_fake_mode(mode), mode:  # (entered: a factory in the function makes fake tensors too)
                 for fn in (self.search, self.replacement):
                     try:
                         parts.append(trace(fn, fake).code)
@@ -252,8 +252,12 @@ def _stable_repr(value) -> str:
     """``repr`` without what changes from one process to the next (a cache key must not): a code object (a
     nested function's, in ``co_consts``) by its bytecode and constants, an object whose repr is its address
     by its type."""
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):  # (their order follows the hash seed, dtypes' hashes per process)
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())) + "}"
     if isinstance(value, types.CodeType):
         return f"code({value.co_code!r}, {_stable_repr(value.co_consts)}, {value.co_names!r})"
     text = repr(value)
@@ -450,7 +454,8 @@ def _rewrites_its_own_search(p: Pattern) -> None:
     a tensor's value), and then it would fail every later compile through fusekern, its own or not, with an
     error that does not name it."""
     from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
 
     from fusekern.compiler_pass.canonicalize import trace
 
@@ -459,7 +464,7 @@ def _rewrites_its_own_search(p: Pattern) -> None:
         where = f"pattern {p.name!r} [{variant.label()}]"
         mode = FakeTensorMode()
         fake = [mode.from_tensor(t) for t in p.example_inputs(variant).values()]
-        with V.set_fake_mode(mode):
+        with V.set_fake_mode(mode), mode:  # (entered, as inductor traces: torch.arange / full make fake tensors)
             try:
                 search = trace(p.search, fake).graph
             except Exception as e:
@@ -479,12 +484,15 @@ def _rewrites_its_own_search(p: Pattern) -> None:
                                "values); make it an input or a Python scalar")
         if p.check is not None:
             try:
-                with V.set_fake_mode(mode):
+                with V.set_fake_mode(mode), mode:
                     p.check(dict(zip(p.inputs, fake)))
-            except Exception as e:
-                raise PatternError(f"{where}: the check raised on fake tensors, which is all it gets in a compile "
-                                   f"(shapes, strides, dtypes and devices; no values): {type(e).__name__}: "
-                                   f"{e}") from e
+            except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                raise PatternError(f"{where}: the check reads a value, and a compile gives it fake tensors (shapes, "
+                                   f"strides, dtypes and devices; no values): {type(e).__name__}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - e.g. a CUDA-only query on these CPU examples: a compile's
+                log.warning("fusekern: pattern %r: its check raised %s on the CPU example inputs (%s); where it "
+                            "raises in a compile, the match is declined with the reason", p.name,
+                            type(e).__name__, e)  # check declines where it raises, as run_check does
         searches.append((where, mode, search))
     try:
         mpass = _build_matcher_pass(p)
@@ -492,7 +500,7 @@ def _rewrites_its_own_search(p: Pattern) -> None:
         raise PatternError(f"pattern {p.name!r}: inductor cannot build its pass: {type(e).__name__}: {e}") from e
     for where, mode, search in searches:
         try:
-            with V.set_fake_mode(mode):
+            with V.set_fake_mode(mode), mode:
                 fired = mpass.apply(search)
         except Exception as e:
             raise PatternError(f"{where}: inductor's pass fails on the pattern's own traced search, as it would "
@@ -555,11 +563,16 @@ def load_patterns() -> None:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 try:
                     obj = ep.load()
+                    if callable(obj) and not inspect.ismodule(obj):
+                        obj()  # a registration function
+                except PatternError as e:
+                    # A package's pattern that registration refuses is left out, not every compile: the
+                    # others (the built-ins, other packages) still run
+                    log.error("fusekern: entry point %r (%s) registered a pattern that was refused, left out: %s",
+                              ep.name, ep.value, e)
                 except Exception as e:
                     raise ImportError(f"fusekern: entry point {ep.name!r} ({ep.value}) of group "
                                       f"{ENTRY_POINT_GROUP!r} failed to load: {e}") from e
-                if callable(obj) and not inspect.ismodule(obj):
-                    obj()  # a registration function
             _loaded = True
         finally:
             _loading = False
