@@ -10,6 +10,7 @@ third-party packages through the ``fusekern.patterns`` entry-point group.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -116,16 +117,11 @@ class Pattern:
         return h.hexdigest()[:16]
 
     def _traced_code(self) -> str:
-        from torch._inductor.virtualized import V
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         from fusekern.compiler_pass.canonicalize import trace
 
         parts = []
-        for variant in self.variants():
-            mode = FakeTensorMode()
-            fake = [mode.from_tensor(t) for t in self.example_inputs(variant).values()]
-            with V.set_fake_mode(mode), mode:  # (entered: a factory in the function makes fake tensors too)
+        for _, mode, fake in _fake_examples(self):
+            with _in_fake_mode(mode):
                 for fn in (self.search, self.replacement):
                     try:
                         parts.append(trace(fn, fake).code)
@@ -453,18 +449,14 @@ def _rewrites_its_own_search(p: Pattern) -> None:
     input the traced graph does not use, a tensor constant built inside the search, a replacement that reads
     a tensor's value), and then it would fail every later compile through fusekern, its own or not, with an
     error that does not name it."""
-    from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                               FakeTensorMode)
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     from fusekern.compiler_pass.canonicalize import trace
 
     searches = []
-    for variant in p.variants():
+    for variant, mode, fake in _fake_examples(p):
         where = f"pattern {p.name!r} [{variant.label()}]"
-        mode = FakeTensorMode()
-        fake = [mode.from_tensor(t) for t in p.example_inputs(variant).values()]
-        with V.set_fake_mode(mode), mode:  # (entered, as inductor traces: torch.arange / full make fake tensors)
+        with _in_fake_mode(mode):
             try:
                 search = trace(p.search, fake).graph
             except Exception as e:
@@ -484,15 +476,16 @@ def _rewrites_its_own_search(p: Pattern) -> None:
                                "values); make it an input or a Python scalar")
         if p.check is not None:
             try:
-                with V.set_fake_mode(mode), mode:
+                with _in_fake_mode(mode):
                     p.check(dict(zip(p.inputs, fake)))
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 raise PatternError(f"{where}: the check reads a value, and a compile gives it fake tensors (shapes, "
                                    f"strides, dtypes and devices; no values): {type(e).__name__}: {e}") from e
-            except Exception as e:  # noqa: BLE001 - e.g. a CUDA-only query on these CPU examples: a compile's
+            except Exception as e:  # noqa: BLE001 - it may raise on these CPU examples only (a CUDA-only query);
+                # in a compile, run_check declines the match where it raises
                 log.warning("fusekern: pattern %r: its check raised %s on the CPU example inputs (%s); where it "
                             "raises in a compile, the match is declined with the reason", p.name,
-                            type(e).__name__, e)  # check declines where it raises, as run_check does
+                            type(e).__name__, e)
         searches.append((where, mode, search))
     try:
         mpass = _build_matcher_pass(p)
@@ -500,13 +493,32 @@ def _rewrites_its_own_search(p: Pattern) -> None:
         raise PatternError(f"pattern {p.name!r}: inductor cannot build its pass: {type(e).__name__}: {e}") from e
     for where, mode, search in searches:
         try:
-            with V.set_fake_mode(mode), mode:
+            with _in_fake_mode(mode):
                 fired = mpass.apply(search)
         except Exception as e:
             raise PatternError(f"{where}: inductor's pass fails on the pattern's own traced search, as it would "
                                f"in every compile: {type(e).__name__}: {e}") from e
         if not fired and p.check is None:  # (a check may decline the example inputs)
             raise PatternError(f"{where}: the pattern does not match its own traced search")
+
+
+def _fake_examples(p: Pattern):
+    """(variant, a fake mode, the variant's example inputs as fake tensors of that mode), per variant."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for variant in p.variants():
+        mode = FakeTensorMode()
+        yield variant, mode, [mode.from_tensor(t) for t in p.example_inputs(variant).values()]
+
+
+@contextlib.contextmanager
+def _in_fake_mode(mode):
+    """``mode`` entered and set as inductor's, as inductor traces a pattern (a factory such as torch.arange in
+    the function then makes fake tensors too)."""
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(mode), mode:
+        yield
 
 
 def _check_traced_search(where: str, graph: torch.fx.Graph, names: list[str]) -> None:
