@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -12,6 +13,13 @@ def _check(args) -> int:
     from fusekern.testing import check_pattern
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for module in args.imports or ():  # a user's module that registers patterns when imported
+        sys.path.insert(0, ".")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            print(f"--import {module}: {e}", file=sys.stderr)
+            return 2
     patterns = [p for p in all_patterns() if not args.pattern or p.name in args.pattern]
     if not patterns:
         print(f"no pattern matches {args.pattern}", file=sys.stderr)
@@ -100,6 +108,9 @@ def main(argv=None) -> int:
     c.add_argument("--pattern", action="append", help="only this pattern (repeatable)")
     c.add_argument("--draws", type=int, default=24)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                   help="import this module first, for the patterns it registers (repeatable; the current "
+                        "directory is on the path)")
     d = sub.add_parser("demo", help="generate with a quantized Llama-style decoder: eager, stock inductor, fusekern")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None)
     d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")

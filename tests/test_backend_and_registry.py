@@ -456,6 +456,27 @@ def test_cli_check_prints_a_table():
     assert "w8a16_linear_scale" in proc.stdout and " 0 failed" in proc.stdout
 
 
+def test_cli_check_imports_the_users_patterns(tmp_path):
+    """A script's patterns were out of the command's reach: ``--import`` registers them first (a wrong one is
+    reported as failing, a missing module as exit code 2)."""
+    (tmp_path / "my_patterns.py").write_text(
+        "import torch, fusekern\n"
+        "spec = dict(x=fusekern.T('M', 'K', dtype=torch.float32), w=fusekern.T('N', 'K', dtype=torch.float32))\n"
+        "fusekern.register_pattern('my_relu_mm', lambda x, w: torch.relu(x @ w.t()),\n"
+        "                          lambda x, w: torch.clamp_min(torch.mm(x, w.t()), 0.0), inputs=spec)\n"
+        "fusekern.register_pattern('my_wrong_mm', lambda x, w: torch.relu(x @ w.t()),\n"
+        "                          lambda x, w: torch.relu(x @ w.t()) * 1.01, inputs=spec)\n")
+    base = [sys.executable, "-m", "fusekern", "check", "--device", "cpu", "--draws", "4"]
+    proc = subprocess.run(base + ["--import", "my_patterns", "--pattern", "my_relu_mm", "--pattern", "my_wrong_mm"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("my_")}
+    assert lines["my_relu_mm"].endswith("PASS") and lines["my_wrong_mm"].endswith("FAIL"), proc.stdout
+    missing = subprocess.run(base + ["--import", "no_such_module"], capture_output=True, text=True, timeout=600,
+                             cwd=tmp_path)
+    assert missing.returncode == 2 and "no_such_module" in missing.stderr
+
+
 def test_a_user_pattern_cannot_take_a_builtin_name_before_the_builtins_load():
     """The built-ins load lazily (at the first compile); registering one of their names first once succeeded
     and then broke every compile of the process."""
