@@ -404,6 +404,37 @@ def test_user_pattern_fingerprint_follows_what_its_functions_compute():
     assert make(2.0, 8) != make(2.0, 9)
 
 
+def test_user_pattern_fingerprint_follows_the_constants_its_check_reads(tmp_path, monkeypatch):
+    """A check that reads a constant of another module (``limits.MAX_ROWS``) or a global of its own: editing
+    the constant changes the key (the check is not traced, and only its own file was hashed)."""
+    import importlib
+    import types as pytypes
+
+    limits = pytypes.ModuleType("user_limits")
+    monkeypatch.setitem(sys.modules, "user_limits", limits)
+    (tmp_path / "user_check_pat.py").write_text(
+        "import user_limits\n"
+        "OK_DTYPES = ('float32',)\n"
+        "def check(v):\n"
+        "    return None if v['x'].shape[0] <= user_limits.MAX_ROWS and str(v['x'].dtype)[6:] in OK_DTYPES else 'no'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    mod = importlib.import_module("user_check_pat")
+    try:
+        def key():
+            return Pattern("fp", _mm, lambda x, w: torch.mm(x, w.t()), inputs=SPEC, check=mod.check).fingerprint
+
+        limits.MAX_ROWS = 8
+        a = key()
+        assert a == key()
+        limits.MAX_ROWS = 16
+        assert key() != a
+        limits.MAX_ROWS, mod.OK_DTYPES = 8, ("float32", "bfloat16")
+        assert key() != a
+    finally:
+        sys.modules.pop("user_check_pat", None)
+
+
 def test_a_graph_from_inductors_cache_reports_what_fired_when_compiled(tmp_path):
     """A second process loads the graph from inductor's FX graph cache, so the passes do not run; the report
     says so, once per graph (the AOTAutograd and FX caches both count the same graph), with what fired when

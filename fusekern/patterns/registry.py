@@ -234,7 +234,7 @@ def _closure_of(fn, seen: set | None = None) -> str:
     if code is None or id(fn) in seen:
         return ""
     seen.add(id(fn))
-    parts = [_stable_repr(code.co_consts)]
+    parts = [_stable_repr(code.co_consts), _globals_read(fn, code)]
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
@@ -242,6 +242,36 @@ def _closure_of(fn, seen: set | None = None) -> str:
             continue
         parts.append(_closure_of(value, seen) if callable(value) else _stable_repr(value))
     return "|".join(parts)
+
+
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _globals_read(fn, code) -> str:
+    """The plain values (numbers, strings, dtypes, tuples of them) of the globals ``fn`` names, and of the
+    attributes it names on global modules (``limits.MAX_ROWS``): a check that reads another module's constant."""
+    names, stack = set(), [code]
+    while stack:  # (nested functions' names too)
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    g = getattr(fn, "__globals__", {})
+    plain = lambda v: isinstance(v, _PLAIN) or isinstance(v, (tuple, frozenset)) and all(  # noqa: E731
+        isinstance(x, _PLAIN) for x in v)
+    found = []
+    for name in sorted(names & g.keys()):
+        value = g[name]
+        if plain(value):
+            found.append(f"{name}={_stable_repr(value)}")
+        elif isinstance(value, types.ModuleType):
+            for attr in sorted(names):
+                try:
+                    v = getattr(value, attr)
+                except Exception:  # noqa: BLE001 - (not an attribute of this module, or a lazy one that fails)
+                    continue
+                if plain(v):
+                    found.append(f"{name}.{attr}={_stable_repr(v)}")
+    return ",".join(found)
 
 
 def _stable_repr(value) -> str:
