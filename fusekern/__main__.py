@@ -13,8 +13,9 @@ def _check(args) -> int:
     from fusekern.testing import check_pattern
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    for module in args.imports or ():  # a user's module that registers patterns when imported
+    if args.imports:
         sys.path.insert(0, ".")
+    for module in args.imports or ():  # a user's module that registers patterns when imported
         try:
             importlib.import_module(module)
         except ImportError as e:

@@ -64,7 +64,9 @@ class Int4MmaSync:
     # the K loop unrolled this many times (Triton's loop_unroll_factor; 1: not at all). A probe field, not offered
     # by the dispatcher: compiled for sm_90a, 2 issues each group's word loads among the previous group's MMAs,
     # where the plain loop issues them next to the copies that wait for them (72 registers against 62: 7
-    # programs of 4 warps per SM; benchmarks/proto/probe_int4_sync_unroll.py; not yet timed)
+    # programs of 4 warps per SM). Timed on an H100 (benchmarks/proto/probe_int4_sync_unroll.py,
+    # benchmarks/results/h100/int4_mma_sync_unroll2_probe_1a995ee.csv): its best config within 2% of the plain
+    # loop's best, 20% slower at the dispatcher's split 8 at 8192 x 8192
     UNROLL: int = 1
 
     @property

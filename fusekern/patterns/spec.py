@@ -27,21 +27,22 @@ class Dim:
     def __post_init__(self):
         if self.min < 1 or self.max < self.min or self.multiple_of < 1:
             raise ValueError(f"bad Dim {self}")
-        if -(-self.min // self.multiple_of) > self.max // self.multiple_of:
+        lo, hi = self._multiples()
+        if hi < lo:
             raise ValueError(f"Dim {self} allows no size: no multiple of {self.multiple_of} in "
                              f"[{self.min}, {self.max}]")
         if self.trace is not None and not self.allows(self.trace):
             raise ValueError(f"Dim {self}: its trace size {self.trace} is not an allowed size")
 
+    def _multiples(self) -> tuple[int, int]:
+        """The first and last allowed size, in multiples of ``multiple_of``."""
+        return -(-self.min // self.multiple_of), self.max // self.multiple_of
+
     def allows(self, size: int) -> bool:
         return self.min <= size <= self.max and size % self.multiple_of == 0
 
     def sample(self, rng: random.Random) -> int:
-        lo = -(-self.min // self.multiple_of)
-        hi = self.max // self.multiple_of
-        if hi < lo:
-            raise ValueError(f"Dim {self} allows no size")
-        return rng.randint(lo, hi) * self.multiple_of
+        return rng.randint(*self._multiples()) * self.multiple_of
 
 
 @dataclass(frozen=True)
