@@ -5,7 +5,7 @@ CPU (CI): every shipped specialization builds for sm_90a without a GPU and has n
 matches a plain computation. GPU (``gpu`` marker): results against the reference for every shipped
 epilogue combination, odd M, N and K tails, and no recompilation when only M changes; the DeepSeek
 128x128 block-scaled fp8 GEMM (``-k block``) against the reference, with a one-row a_block, N / K
-tails and the row/col/bias epilogue.
+tails and the row/col/bias epilogue, at the 128x128 tile and at 128x256 (which gives the same bits).
 """
 import itertools
 import math
@@ -38,6 +38,7 @@ def test_aot_compile_sm90a_builds_every_shipped_config(tmp_path):
     assert "f8e4m3_bf16_128x128_row_col_biasbf16" in names
     assert "bf16_bf16_128x128_col_res" in names
     assert "f8e4m3_bf16_128x128_block128" in names
+    assert "f8e4m3_bf16_128x256_block128" in names
     for build in builds:
         assert build["cubin"] and os.path.getsize(build["cubin"]) > 0, build["name"]
         print(f"{build['name']}: REG {build.get('registers')} STACK {build.get('stack')} "
@@ -180,13 +181,18 @@ def test_block_scaled_k_1000_and_n_300_are_refused():
 
 def test_block_scaled_config_and_scale_views():
     a, b, a_block, b_block = _block_operands(m=1000, n=7168, k=7168)
-    for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (4096, (128, 128))):
+    # 128x256 where its tiles give every SM one (N = 7168: 28 N tiles, so from 5 M tiles up), else 128x128
+    for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (512, (128, 128)), (513, (128, 256)),
+                    (1000, (128, 256)), (4096, (128, 256))):
         config = csm.config_for(a[:m], b, out_dtype=torch.bfloat16, block_scaled=True)
-        assert config.block_scaled and (config.tile_m, config.tile_n) == tile
+        assert config.block_scaled and (config.tile_m, config.tile_n) == tile, m
         assert config.name.endswith("block128")
-    if csm._CUTLASS_ERROR is None:  # block scales need the 128-wide N tile and fp8
+    assert csm.block_scaled_heuristics(1100, 1664) == (128, 128)  # 63 wide tiles: slower on an H100
+    assert csm.block_scaled_heuristics(4096, 1664) == (128, 256)
+    assert csm.block_scaled_heuristics(4096, 7168, num_sms=1000) == (128, 128)
+    if csm._CUTLASS_ERROR is None:  # block scales need a 128- or 256-wide N tile and fp8
         with pytest.raises(ValueError):
-            csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", 128, 256, block_scaled=True))
+            csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", 128, 64, block_scaled=True))
         with pytest.raises(ValueError):
             csm._ScaledMmKernel(csm.KernelConfig("bf16", "bf16", 128, 128, block_scaled=True))
     # What the kernel loads: views of the same elements with a unit last stride.
@@ -476,6 +482,46 @@ def test_block_scaled_matches_reference(m, n, k):
                          ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
 def test_block_scaled_epilogue_and_one_row_a(m, n, k, one_row_a, epilogue):
     _check_block(m, n, k, one_row_a, *epilogue)
+
+
+@pytest.fixture
+def wide_block_tiles(monkeypatch):
+    """Every block-scaled product takes the 128x256 tile (the heuristic gives it to large problems only)."""
+    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 256))
+    csm._PLANS.clear()  # plans cached per shape by earlier tests hold the heuristic's tile
+    yield
+    csm._PLANS.clear()
+
+
+@pytest.mark.gpu
+# N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008 and
+# 1136: one K block, a partial last one, an odd count; M = 1 and 777: M tails of a 128-row tile.
+@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])
+@pytest.mark.parametrize("epilogue", [(False, False, None), (True, True, torch.float32)],
+                         ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
+def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block_tiles, monkeypatch, m, n, k,
+                                                                      one_row_a, epilogue):
+    a, b, kwargs, out = _check_block(m, n, k, one_row_a, *epilogue)
+    assert {plan[0].tile_n for plan in csm._PLANS.values()} == {256}
+    # The same arithmetic as the 128x128 tile (a fresh 128-wide WGMMA sum per K block, folded in K order):
+    # the same bits.
+    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 128))
+    csm._PLANS.clear()
+    narrow = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
+    assert {plan[0].tile_n for plan in csm._PLANS.values()} == {128}
+    assert torch.equal(out, narrow)
+
+
+@pytest.mark.gpu
+def test_block_scaled_wide_tile_expanded_b_block(wide_block_tiles):
+    a, b, kwargs, out = _check_block(300, 1664, 1008)
+    one_b = dict(kwargs, b_block=kwargs["b_block"][:1].expand(13, -1))  # every N block reads row 0
+    _poison_allocator(300, 1664, torch.bfloat16)
+    out_b = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **one_b)
+    ref_b = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **one_b)
+    assert _rel_err(out_b, ref_b) < BLOCK_TOLERANCE
 
 
 @pytest.mark.gpu

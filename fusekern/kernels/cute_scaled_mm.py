@@ -38,15 +38,21 @@ Design
   stride 0 is passed as one row), b_block fp32 [ceil(N/128), ceil(K/128)] (an expanded one likewise,
   both row indices are clamped to the last row); both take any row stride (0 included)
   and need a unit K-block stride (a one-column matrix may have any). The K tile is 128, one scale
-  block, and the N tile 128, so b_block is one scalar per (tile, K block). "Promotion": each K tile's
-  WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step), which is folded into the
-  main accumulator with one FMA per register, scaled by a_block of the register's row times the b_block
-  scalar. Two fragments alternate, so the next K tile's WGMMAs are in flight while one is folded
-  (``wait_group(1)``), and each tile's scales are loaded from global memory (a few KiB, L2-resident) one
-  tile ahead into registers. The accumulator and two 64x128 fragments are 192 registers per consumer
-  thread, so tiles are 128x128 (two consumers) or 64x128 (M <= 64). M-tail rows and
-  a one-row a_block both come from clamping the a_block row index to its last row. The last K block
-  may be partial: TMA zero-fills it.
+  block, and the WGMMAs are 128 columns wide, so b_block is one scalar per (128 columns, K block).
+  "Promotion": each K tile's WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step),
+  which is folded into the main accumulator with one FMA per register, scaled by a_block of the
+  register's row times the b_block scalar. Two tiles:
+  - 128x128 (64x128 for M <= 64): two fragments alternate, so the next K tile's WGMMAs are in flight
+    while one is folded (``wait_group(1)``); the accumulator and two 64x128 fragments are 192 registers
+    per consumer thread. Each tile's scales are loaded (a few KiB, L2-resident) one tile ahead.
+  - 128x256 (large problems, ``block_scaled_heuristics``): the accumulator of a 64x256 slab is 128
+    registers, so one 64-register fragment serves both 128-column halves in turn: a half's WGMMAs, a
+    wait for them, its fold, then the other half. Nothing overlaps the fold inside a warpgroup; the
+    other consumer's WGMMAs keep the tensor cores busy meanwhile. Half the A bytes per FLOP of 128x128:
+    on an H100 at M = 4096, N = K = 7168, 1032-1036 TFLOP/s against 946-955
+    (``benchmarks/proto/block_scaled_wide_probe.py``, ``benchmarks/results/h100/block_scaled_wide_probe_ba27890.csv``).
+  M-tail rows and a one-row a_block both come from clamping the a_block row index to its last row, an
+  N tail's b_block row likewise. The last K block may be partial: TMA zero-fills it.
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ class KernelConfig:
     has_col: bool = False
     bias: Optional[str] = None  # bias dtype, None when there is no bias
     has_residual: bool = False
-    # DeepSeek-style 128x128 block scales (a_block / b_block): fp8 only, tile_n 128, K tile 128.
+    # DeepSeek-style 128x128 block scales (a_block / b_block): fp8 only, tile_n 128 or 256, K tile 128.
     block_scaled: bool = False
 
     @property
@@ -134,13 +140,18 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     return 128, 128
 
 
-def block_scaled_heuristics(m: int) -> tuple[int, int]:
-    """(tile_m, tile_n) for block-scaled fp8: N tile 128 (one b_block scalar per tile and K block).
+def block_scaled_heuristics(m: int, n: Optional[int] = None, num_sms: int = 132) -> tuple[int, int]:
+    """(tile_m, tile_n) for block-scaled fp8.
 
-    The scaled sum and two per-K-block fragments are 192 fp32 registers per thread for a 64x128 slab,
-    so each consumer warpgroup keeps one: 128x128 with two consumers, 64x128 for a small batch.
+    64x128 for a small batch (one consumer warpgroup); 128x256 where its tiles still give every SM one
+    (half the A bytes per FLOP; its fold cannot overlap its own WGMMAs, so it loses where too few tiles
+    leave the other consumer idle: 12.7 against 8.6 us at 1100 x 1664 x 1408 on an H100); else 128x128.
     """
-    return (64, 128) if m <= 64 else (128, 128)
+    if m <= 64:
+        return 64, 128
+    if n is not None and math.ceil(m / 128) * math.ceil(n / 256) >= num_sms:
+        return 128, 256
+    return 128, 128
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,8 +397,8 @@ if _CUTLASS_ERROR is None:
         smem_bytes = 232448 - 1024  # sm_90 opt-in shared memory, less the mbarrier area
 
         def __init__(self, config: KernelConfig):
-            if config.block_scaled and (config.ab != "f8e4m3" or config.tile_n != SCALE_BLOCK):
-                raise ValueError(f"block-scaled kernels are fp8 with a 128-wide N tile, not {config}")
+            if config.block_scaled and (config.ab != "f8e4m3" or config.tile_n not in (SCALE_BLOCK, 2 * SCALE_BLOCK)):
+                raise ValueError(f"block-scaled kernels are fp8 with a 128- or 256-wide N tile, not {config}")
             self.config = config
             self.ab_dtype = _CUTE_DTYPES[config.ab]
             self.out_dtype = _CUTE_DTYPES[config.out]
@@ -402,9 +413,11 @@ if _CUTLASS_ERROR is None:
         def _setup_tiles(self):
             cfg = self.config
             k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
+            # Block-scaled tiles are built from 128-wide WGMMAs (one b_block scalar each): at tile_n 256 the
+            # C partition then has one N step per 128-column half.
             self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
-                (self.num_consumers, 1, 1), tiler_mn=(64, cfg.tile_n),
+                (self.num_consumers, 1, 1), tiler_mn=(64, SCALE_BLOCK if cfg.block_scaled else cfg.tile_n),
             )
             # Four WGMMA K-steps per stage: K tile 64 for 16-bit inputs, 128 for fp8.
             tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
@@ -623,10 +636,16 @@ if _CUTLASS_ERROR is None:
             frags = None
             tCcAcc = None
             if cutlass.const_expr(self.config.block_scaled):
-                # The two fragments K blocks' WGMMAs alternate between; each is scaled into `acc`.
-                frags = (cute.make_rmem_tensor(acc_shape, self.acc_dtype),
-                         cute.make_rmem_tensor(acc_shape, self.acc_dtype))
                 tCcAcc = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))  # (row, col) per register
+                if cutlass.const_expr(self.config.tile_n == SCALE_BLOCK):
+                    # The two fragments K blocks' WGMMAs alternate between; each is scaled into `acc`.
+                    frags = (cute.make_rmem_tensor(acc_shape, self.acc_dtype),
+                             cute.make_rmem_tensor(acc_shape, self.acc_dtype))
+                else:
+                    # One fragment for a 128-column half, used by both halves in turn.
+                    half_shape = thr_mma.partition_C(
+                        cute.make_identity_tensor((self.tile_mnk[0], SCALE_BLOCK))).shape
+                    frags = (cute.make_rmem_tensor(half_shape, self.acc_dtype),)
 
             # Register -> shared copy of one epilogue slice (stmatrix for 16-bit outputs).
             r2s = self._make_r2s_copy(tiled_mma)
@@ -649,9 +668,13 @@ if _CUTLASS_ERROR is None:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             while work.is_valid_tile:
-                if cutlass.const_expr(self.config.block_scaled):
+                if cutlass.const_expr(self.config.block_scaled and self.config.tile_n == SCALE_BLOCK):
                     read_state, release_state = self._mainloop_block_scaled(
                         ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, tCcAcc, k_tiles,
+                        read_state, release_state, mSA, mSB, work.tile_idx)
+                elif cutlass.const_expr(self.config.block_scaled):
+                    read_state, release_state = self._mainloop_block_scaled_halves(
+                        ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags[0], tCcAcc, k_tiles,
                         read_state, release_state, mSA, mSB, work.tile_idx)
                 else:
                     read_state, release_state = self._mainloop(
@@ -767,6 +790,65 @@ if _CUTLASS_ERROR is None:
                 release_state.advance()
                 self._fold(acc, f0, scales, 0, slot_of)
             return read_state, release_state
+
+        @cute.jit
+        def _mainloop_block_scaled_halves(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag, tCcAcc, k_tiles,
+                                          read_state, release_state, mSA, mSB, tile):
+            """The 128x256 block-scaled loop: per K block kb and 128-column half h, the half's WGMMAs into
+            ``frag`` (a fresh sum), a wait for them, then ``acc[half h] += frag * a_block[row, kb] *
+            b_block[2 * tile_n + h, kb]``. Both halves have read the stage before it is released. The next
+            block's scales are loaded while the first half's WGMMAs run.
+            """
+            read_state.reset_count()
+            release_state.reset_count()
+            acc.fill(0.0)
+            # rows of a half's registers (the halves differ in columns only)
+            slot_of, slot_rep = _row_slots(tiled_mma, (self.tile_mnk[0], SCALE_BLOCK))
+            sa_last = mSA.shape[0] - 1  # 0 for a one-row (broadcast) a_block; clamps M-tail rows
+            row0 = tile[0] * self.tile_mnk[0]
+            sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
+            sb_last = mSB.shape[0] - 1  # clamps an N tail's block and an expanded b_block (one row)
+            sb_rows = [cutlass.min(tile[1] * 2 + h, sb_last) for h in range(2)]
+            slots = len(slot_rep)
+            # [a_block per row slot..., b_block per half] of this block (cur) and the next (nxt)
+            cur = cute.make_rmem_tensor((slots + 2,), cutlass.Float32)
+            nxt = cute.make_rmem_tensor((slots + 2,), cutlass.Float32)
+            self._load_half_scales(nxt, mSA, mSB, sa_rows, sb_rows, 0)
+            frag_v = frag[(None, 0, 0)]
+            for kb in range(k_tiles):
+                for j in cutlass.range_constexpr(slots + 2):
+                    cur[j] = nxt[j]
+                ab_pipeline.consumer_wait(read_state)
+                for h in cutlass.range_constexpr(2):
+                    cute.nvgpu.warpgroup.fence()  # frag was read by the previous fold's FMAs
+                    mma_atom = cute.make_mma_atom(tiled_mma.op)
+                    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                        # A (V, one M step), this half of B as (V, one N step), the fragment (V, 1, 1)
+                        cute.gemm(mma_atom, frag, tCrA[(None, None, kk, read_state.index)],
+                                  cute.append_ones(tCrB[(None, h, kk, read_state.index)], 2), frag)
+                        mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(h == 0):
+                        self._load_half_scales(nxt, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 1, k_tiles - 1))
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if cutlass.const_expr(h == 1):
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    scale = [cur[j] * cur[slots + h] for j in range(slots)]
+                    acc_h = acc[(None, 0, h)]
+                    for i in cutlass.range_constexpr(cute.size(frag_v)):
+                        acc_h[i] = acc_h[i] + frag_v[i] * scale[slot_of[i]]
+                read_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def _load_half_scales(self, scales, mSA, mSB, sa_rows, sb_rows, kb):
+            """Block kb's a_block per row slot, then b_block of both halves, into ``scales``."""
+            for j in cutlass.range_constexpr(len(sa_rows)):
+                scales[j] = mSA[sa_rows[j], kb]
+            for h in cutlass.range_constexpr(len(sb_rows)):
+                scales[len(sa_rows) + h] = mSB[sb_rows[h], kb]
 
         @cute.jit
         def _issue_block(self, ab_pipeline, tiled_mma, tCrA, tCrB, frag, read_state):
@@ -1102,7 +1184,7 @@ def _pointer(t: Optional[torch.Tensor], align: int):
 def config_for(a, b, *, row=None, col=None, bias=None, residual=None, out_dtype, num_sms=132,
                block_scaled=False) -> KernelConfig:
     if block_scaled:
-        tile_m, tile_n = block_scaled_heuristics(a.shape[0])
+        tile_m, tile_n = block_scaled_heuristics(a.shape[0], b.shape[0], num_sms)
     else:
         tile_m, tile_n = heuristics(a.shape[0], b.shape[0], num_sms)
     return KernelConfig(
@@ -1204,7 +1286,8 @@ def shipped_configs() -> list[KernelConfig]:
 
     Every tile shape with the fp8 row+col+bias epilogue (the W8A8 linear), every input dtype and
     output dtype at 128x128, and the remaining epilogue flags (bf16 col+residual, the bare GEMM); the
-    block-scaled fp8 GEMM (DeepSeek linear) bare at both of its tiles and with row+col+bias.
+    block-scaled fp8 GEMM (DeepSeek linear) bare at each of its tiles and with a row+col+bias epilogue at
+    128x128 and 128x256.
     """
     configs = [KernelConfig("f8e4m3", "bf16", tm, tn, has_row=True, has_col=True, bias="bf16")
                for tm, tn in _TILES]
@@ -1218,6 +1301,8 @@ def shipped_configs() -> list[KernelConfig]:
         KernelConfig("f8e4m3", "bf16", 128, 128, block_scaled=True),
         KernelConfig("f8e4m3", "bf16", 64, 128, block_scaled=True),
         KernelConfig("f8e4m3", "bf16", 128, 128, has_row=True, has_col=True, bias="bf16", block_scaled=True),
+        KernelConfig("f8e4m3", "bf16", 128, 256, block_scaled=True),
+        KernelConfig("f8e4m3", "f16", 128, 256, has_row=True, has_col=True, bias="f32", block_scaled=True),
     ]
     return configs
 
