@@ -180,16 +180,18 @@ def test_block_scaled_k_1000_and_n_300_are_refused():
 
 
 def test_block_scaled_config_and_scale_views():
-    a, b, a_block, b_block = _block_operands(m=1000, n=7168, k=7168)
-    # 128x256 where its tiles give every SM one (N = 7168: 28 N tiles, so from 5 M tiles up), else 128x128
-    for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (512, (128, 128)), (513, (128, 256)),
-                    (1000, (128, 256)), (4096, (128, 256))):
+    a, b, a_block, b_block = _block_operands(m=4096, n=7168, k=7168)
+    # 128x256 where its waves (each 1.83 times a 128x128 wave) take less time. N = 7168 on 132 SMs: 28 wide or
+    # 56 narrow N tiles; M = 4096 is 7 wide waves against 14, M = 2048 4 against 7 (wide lost there on an H100),
+    # M = 1000 2 against 4.
+    for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (1000, (128, 256)), (2048, (128, 128)),
+                    (4096, (128, 256))):
         config = csm.config_for(a[:m], b, out_dtype=torch.bfloat16, block_scaled=True)
         assert config.block_scaled and (config.tile_m, config.tile_n) == tile, m
         assert config.name.endswith("block128")
-    assert csm.block_scaled_heuristics(1100, 1664) == (128, 128)  # 63 wide tiles: slower on an H100
-    assert csm.block_scaled_heuristics(4096, 1664) == (128, 256)
-    assert csm.block_scaled_heuristics(4096, 7168, num_sms=1000) == (128, 128)
+    assert csm.block_scaled_heuristics(1100, 1664) == (128, 128)  # one wave either way: wide lost on an H100
+    assert csm.block_scaled_heuristics(4096, 7168, num_sms=2000) == (128, 128)  # one wave either way
+    assert csm.block_scaled_heuristics(4096, 7168, num_sms=114) == (128, 256)  # an H100 PCIe: 8 against 16
     if csm._CUTLASS_ERROR is None:  # block scales need a 128- or 256-wide N tile and fp8
         with pytest.raises(ValueError):
             csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", 128, 64, block_scaled=True))

@@ -202,7 +202,7 @@ def _use(kernel_class, tiles):
     csm._PLANS.clear()
     csm._MARSHALS.clear()
     csm.heuristics = lambda m, n, num_sms=132, _t=tiles: _t
-    csm.block_scaled_heuristics = lambda m, _t=tiles: _t
+    csm.block_scaled_heuristics = lambda m, n=None, num_sms=132, _t=tiles: _t
 
 
 def compile_only(out_dir: str) -> int:

@@ -45,12 +45,12 @@ Design
   - 128x128 (64x128 for M <= 64): two fragments alternate, so the next K tile's WGMMAs are in flight
     while one is folded (``wait_group(1)``); the accumulator and two 64x128 fragments are 192 registers
     per consumer thread. Each tile's scales are loaded (a few KiB, L2-resident) one tile ahead.
-  - 128x256 (large problems, ``block_scaled_heuristics``): the accumulator of a 64x256 slab is 128
+  - 128x256 (where its waves take less time, ``block_scaled_heuristics``): the accumulator of a 64x256 slab is 128
     registers, so one 64-register fragment serves both 128-column halves in turn: a half's WGMMAs, a
     wait for them, its fold, then the other half. Nothing overlaps the fold inside a warpgroup; the
     other consumer's WGMMAs keep the tensor cores busy meanwhile. Half the A bytes per FLOP of 128x128:
-    on an H100 at M = 4096, N = K = 7168, 1032-1036 TFLOP/s against 946-955
-    (``benchmarks/proto/block_scaled_wide_probe.py``, ``benchmarks/results/h100/block_scaled_wide_probe_ba27890.csv``).
+    on an H100 at M = 4096, N = K = 7168, 1050 TFLOP/s against 962 in a CUDA graph
+    (``benchmarks/proto/block_scaled_wide_probe.py``, ``benchmarks/results/h100/block_scaled_wide_shipped_8cb811e.csv``).
   M-tail rows and a one-row a_block both come from clamping the a_block row index to its last row, an
   N tail's b_block row likewise. The last K block may be partial: TMA zero-fills it.
 """
@@ -140,18 +140,29 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     return 128, 128
 
 
+# What a 128x256 block-scaled tile costs against a 128x128 one: 1.83x the time for twice the work (H100, M = 4096,
+# N = K = 7168: 401 against 437 us for the whole product at the same number of waves;
+# benchmarks/results/h100/block_scaled_wide_shipped_8cb811e.csv).
+WIDE_BLOCK_TILE_COST = 1.83
+
+
 def block_scaled_heuristics(m: int, n: Optional[int] = None, num_sms: int = 132) -> tuple[int, int]:
     """(tile_m, tile_n) for block-scaled fp8.
 
-    64x128 for a small batch (one consumer warpgroup); 128x256 where its tiles still give every SM one
-    (half the A bytes per FLOP; its fold cannot overlap its own WGMMAs, so it loses where too few tiles
-    leave the other consumer idle: 12.7 against 8.6 us at 1100 x 1664 x 1408 on an H100); else 128x128.
+    64x128 for a small batch (one consumer warpgroup). Otherwise 128x256 where its waves of tiles, each
+    ``WIDE_BLOCK_TILE_COST`` times a 128x128 tile, take less time than 128x128's waves, else 128x128. The wide
+    tile's fold cannot overlap its own WGMMAs, so it pays only with enough tiles and full last waves: on an
+    H100 it won at M = 4096 (7 waves against 14; 401 against 437 us, N = K = 7168) and lost at M = 2048 (4
+    against 7; 222 against 215 us) and at 1100 x 1664 x 1408 (one wave each; 12.7 against 8.6 us).
     """
     if m <= 64:
         return 64, 128
-    if n is not None and math.ceil(m / 128) * math.ceil(n / 256) >= num_sms:
-        return 128, 256
-    return 128, 128
+    if n is None:
+        return 128, 128
+    rows = math.ceil(m / 128)
+    narrow_waves = math.ceil(rows * math.ceil(n / 128) / num_sms)
+    wide_waves = math.ceil(rows * math.ceil(n / 256) / num_sms)
+    return (128, 256) if wide_waves * WIDE_BLOCK_TILE_COST < narrow_waves else (128, 128)
 
 
 # --------------------------------------------------------------------------------------------------
