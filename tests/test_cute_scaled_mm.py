@@ -193,8 +193,11 @@ def test_block_scaled_config_and_scale_views():
     assert csm.block_scaled_heuristics(4096, 7168, num_sms=2000) == (128, 128)  # one wave either way
     assert csm.block_scaled_heuristics(4096, 7168, num_sms=114) == (128, 256)  # an H100 PCIe: 8 against 16
     if csm._CUTLASS_ERROR is None:  # block scales need a 128- or 256-wide N tile and fp8
-        with pytest.raises(ValueError):
-            csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", 128, 64, block_scaled=True))
+        for tile in ((128, 64), (64, 256), (64, 64)):
+            with pytest.raises(ValueError):
+                csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", *tile, block_scaled=True))
+        for tile in csm._BLOCK_TILES:
+            csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", *tile, block_scaled=True))
         with pytest.raises(ValueError):
             csm._ScaledMmKernel(csm.KernelConfig("bf16", "bf16", 128, 128, block_scaled=True))
     # What the kernel loads: views of the same elements with a unit last stride.
