@@ -99,6 +99,19 @@ def test_unrolled_loop_gives_the_plain_loops_bits(cfg, fmt):
     assert rel_err(plain.float(), pm.packed_mm_reference(x, leaves, lay, K, N).float()) < TOL
 
 
+@pytest.mark.parametrize("fmt", ["int4_k_stack", "gptq"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_words_loaded_in_their_own_iteration_give_the_plain_loops_bits(groups, fmt):
+    """``PREFETCH=0`` (a probe field: no loop-carried copy of the next group's words) moves loads, not
+    arithmetic: the bits of the prefetching loop, over a K slice of 3 groups and a tail of columns."""
+    K, N, M = 128 * 3 * 2, 72, 5
+    _, lay, leaves, x = setup(K, N, M, seed=13, fmt=fmt)
+    cfg = S(SPLIT_K=2, GROUPS_PER_WARP=groups)
+    plain = run(x, leaves, lay, K, N, cfg)
+    assert torch.equal(run(x, leaves, lay, K, N, dataclasses.replace(cfg, PREFETCH=0)), plain)
+    assert rel_err(plain.float(), pm.packed_mm_reference(x, leaves, lay, K, N).float()) < TOL
+
+
 def test_bad_input_gets_a_clear_error():
     K, N = 256, 64
     _, lay, leaves, x = setup(K, N, 2, fmt="int4_k_stack")
@@ -108,7 +121,7 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="M <= 8"):
         ims.int4_mma_sync(torch.randn(9, K, dtype=torch.bfloat16, device=DEVICE), leaves, lay, K, N, cfg)
     for bad in (S(SPLIT_K=3), S(GROUPS_PER_WARP=3, SPLIT_K=1), S(SPLIT_K=1, PREFETCH=2, GROUPS_PER_WARP=2),
-                S(SPLIT_K=1, UNROLL=3)):
+                S(SPLIT_K=1, UNROLL=3), S(SPLIT_K=1, PREFETCH=3)):
         with pytest.raises(ValueError, match="do not fit"):
             ims.int4_mma_sync(x, leaves, lay, K, N, bad)
     strided = list(leaves)

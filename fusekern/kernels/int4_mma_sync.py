@@ -59,7 +59,11 @@ class Int4MmaSync:
     num_warps: int = 4
     GROUPS_PER_WARP: int = 1  # 16-column groups per warp (x's registers and sum x shared between them)
     # groups of words loaded ahead of the one decoded (2: one column group per warp only; not offered by the
-    # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv)
+    # dispatcher: 0-25% slower than 1 on the H200, benchmarks/results/h200/int4_mma_sync_prefetch_sweep.csv).
+    # 0, a probe field: each group's words loaded at the top of its own iteration, so the loop carries no copy
+    # of them. With 1, the sm_90a SASS ends every iteration with 8 register copies of the next group's words
+    # (the loop-carried values), which wait for those loads: the prefetch is waited for where it is issued,
+    # and the copies are 8 of the loop's 157 instructions (one column group per warp). Not timed yet.
     PREFETCH: int = 1
     # the K loop unrolled this many times (Triton's loop_unroll_factor; 1: not at all). A probe field, not offered
     # by the dispatcher: compiled for sm_90a, 2 issues each group's word loads among the previous group's MMAs,
@@ -333,8 +337,9 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     wp0 = q_ptr + ln0.to(tl.int64) * SQN + (c * 4) * SQK
     wp1 = q_ptr + ln1.to(tl.int64) * SQN + (c * 4) * SQK
     GW: tl.constexpr = 16 * SQK  # a group's words
-    nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
-    nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
+    if PREFETCH > 0:
+        nw0, nw1, nw2, nw3 = _load4(wp0 + t0 * GW, VEC, SQK, ASM, True)
+        nv0, nv1, nv2, nv3 = _load4(wp1 + t0 * GW, VEC, SQK, ASM, True)
     LAST = t0 + PER - 1
     if PREFETCH == 2:
         mw0, mw1, mw2, mw3 = _load4(wp0 + tl.minimum(t0 + 1, LAST) * GW, VEC, SQK, ASM, True)
@@ -342,8 +347,9 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     if GROUPS_PER_WARP == 2:
         wp2 = q_ptr + ln2.to(tl.int64) * SQN + (c * 4) * SQK
         wp3 = q_ptr + ln3.to(tl.int64) * SQN + (c * 4) * SQK
-        nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
-        ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
+        if PREFETCH > 0:
+            nu0, nu1, nu2, nu3 = _load4(wp2 + t0 * GW, VEC, SQK, ASM, True)
+            ny0, ny1, ny2, ny3 = _load4(wp3 + t0 * GW, VEC, SQK, ASM, True)
     zero = tl.zeros((THREADS,), tl.float32)
     acc0, acc1, acc2, acc3 = zero, zero, zero, zero
     acc4, acc5, acc6, acc7 = zero, zero, zero, zero
@@ -361,18 +367,26 @@ def sync_program(pid_n, pid_cnt, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, ou
     # once (words through a ring, scales and sum x in shared-memory tables filled before the loop):
     # int4_sync_v2_probe.csv; the arithmetic alone takes about as long as the read.)
     for t in tl.range(t0, t0 + PER, loop_unroll_factor=UNROLL if UNROLL > 1 else None):  # (1: range's own SASS)
-        w0, w1, w2, w3 = nw0, nw1, nw2, nw3
-        v0, v1, v2, v3 = nv0, nv1, nv2, nv3
         tn = tl.minimum(t + PREFETCH, LAST)  # the words PREFETCH groups ahead (the last ones load it again)
-        if PREFETCH == 2:
+        if PREFETCH == 0:  # this group's own words, loaded here: the loop carries no copy of them
+            w0, w1, w2, w3 = _load4(wp0 + t * GW, VEC, SQK, ASM, True)
+            v0, v1, v2, v3 = _load4(wp1 + t * GW, VEC, SQK, ASM, True)
+        elif PREFETCH == 2:
+            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
+            v0, v1, v2, v3 = nv0, nv1, nv2, nv3
             nw0, nw1, nw2, nw3 = mw0, mw1, mw2, mw3
             nv0, nv1, nv2, nv3 = mv0, mv1, mv2, mv3
             mw0, mw1, mw2, mw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
             mv0, mv1, mv2, mv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
         else:
+            w0, w1, w2, w3 = nw0, nw1, nw2, nw3
+            v0, v1, v2, v3 = nv0, nv1, nv2, nv3
             nw0, nw1, nw2, nw3 = _load4(wp0 + tn * GW, VEC, SQK, ASM, True)
             nv0, nv1, nv2, nv3 = _load4(wp1 + tn * GW, VEC, SQK, ASM, True)
-        if GROUPS_PER_WARP == 2:
+        if GROUPS_PER_WARP == 2 and PREFETCH == 0:
+            u0, u1, u2, u3 = _load4(wp2 + t * GW, VEC, SQK, ASM, True)
+            y0, y1, y2, y3 = _load4(wp3 + t * GW, VEC, SQK, ASM, True)
+        elif GROUPS_PER_WARP == 2:
             u0, u1, u2, u3 = nu0, nu1, nu2, nu3
             y0, y1, y2, y3 = ny0, ny1, ny2, ny3
             nu0, nu1, nu2, nu3 = _load4(wp2 + tn * GW, VEC, SQK, ASM, True)
@@ -477,7 +491,7 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Int4M
     if not layout_fits(lay):
         raise ValueError("int4_mma_sync: the kernel cannot read this layout (int4_mma.layout_fits)")
     check_rows_and_bias("int4_mma_sync", x, M_MAX, K, N, bias)
-    if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (1, 2) \
+    if K % GROUP or (K // GROUP) % cfg.SPLIT_K or cfg.GROUPS_PER_WARP not in (1, 2) or cfg.PREFETCH not in (0, 1, 2) \
             or (cfg.PREFETCH == 2 and cfg.GROUPS_PER_WARP == 2) or cfg.UNROLL not in (1, 2, 4):
         raise ValueError(f"int4_mma_sync: K = {K} (a multiple of {GROUP}) and {cfg} do not fit")
     if _LEAVES_OK.get((lay, K, N), leaves) is None:  # the same weight tensors come back every token
