@@ -192,7 +192,7 @@ def test_block_scaled_config_and_scale_views():
     assert csm.block_scaled_heuristics(1100, 1664) == (128, 128)  # one wave either way: wide lost on an H100
     assert csm.block_scaled_heuristics(4096, 7168, num_sms=2000) == (128, 128)  # one wave either way
     assert csm.block_scaled_heuristics(4096, 7168, num_sms=114) == (128, 256)  # an H100 PCIe: 8 against 16
-    if csm._CUTLASS_ERROR is None:  # block scales need a 128- or 256-wide N tile and fp8
+    if csm._CUTLASS_ERROR is None:  # block scales need fp8 and a tile of _BLOCK_TILES
         for tile in ((128, 64), (64, 256), (64, 64)):
             with pytest.raises(ValueError):
                 csm._ScaledMmKernel(csm.KernelConfig("f8e4m3", "bf16", *tile, block_scaled=True))
@@ -517,6 +517,32 @@ def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block
     narrow = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {128}
     assert torch.equal(out, narrow)
+
+
+@pytest.mark.gpu
+# N = 424: the last tile's second half is partly inside N (its own b_block row); 4096 x 7168 x 256: 896 tiles
+# over 132 CTAs at two K blocks each (the pipeline's phases wrap across a CTA's tiles).
+@pytest.mark.parametrize("m,n,k", [(300, 424, 1008), (4096, 7168, 256)], ids=lambda v: str(v))
+@pytest.mark.parametrize("out_dtype,bias_dtype,residual", [(torch.float16, torch.float32, False),
+                                                          (torch.float32, None, True),
+                                                          (torch.bfloat16, torch.bfloat16, True)],
+                         ids=["f16_biasf32", "f32_residual", "bf16_bias_residual"])
+def test_block_scaled_wide_tile_outputs_and_epilogues(wide_block_tiles, monkeypatch, m, n, k, out_dtype, bias_dtype,
+                                                      residual):
+    a, b, kwargs = _block_inputs(m, n, k, has_row=True, has_col=True, bias_dtype=bias_dtype)
+    if residual:
+        kwargs["residual"] = torch.randn(m, n, device="cuda").to(out_dtype)
+    assert csm.supports(a, b, out_dtype=out_dtype, **kwargs) is None
+    _poison_allocator(m, n, out_dtype)
+    out = csm.cute_scaled_mm(a, b, out_dtype=out_dtype, **kwargs)
+    torch.cuda.synchronize()
+    assert {plan[0].tile_n for plan in csm._PLANS.values()} == {256}
+    ref = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **kwargs)
+    assert out.dtype == out_dtype and torch.isfinite(out).all()
+    assert _rel_err(out, ref) < BLOCK_TOLERANCE, (m, n, k, out_dtype)
+    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 128))
+    csm._PLANS.clear()
+    assert torch.equal(csm.cute_scaled_mm(a, b, out_dtype=out_dtype, **kwargs), out)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ Result on an H100 (git ba27890, where ``wide`` was a subclass here before it wen
 rounds: base 946-955, wide 1032-1036 (+9%), wide_mcast 1042, base_mcast 977-980, base_24_240 805-817 and
 wide_24_240 1008 (the split loses), rowwise 1143-1146 at 128x128 and 1290-1293 at 128x256 (1301-1305 with
 multicast and 24 / 240). At 1100 x 1664 x 1408 (63 tiles of 128x256 for 132 SMs) wide lost: 12.7 against 8.6 us,
-so the heuristic takes 128x256 only where its tiles fill the SMs. Every output matched the reference (rel. err
+and at M = 2048 it lost too (git 8cb811e, block_scaled_wide_shipped_8cb811e.csv: 222 against 215 us), so the
+heuristic compares waves (``block_scaled_heuristics``). Every output matched the reference (rel. err
 1.66e-3, the same as base) and its family's bits.
 """
 from __future__ import annotations

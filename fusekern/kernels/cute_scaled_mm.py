@@ -809,7 +809,7 @@ if _CUTLASS_ERROR is None:
                                           read_state, release_state, mSA, mSB, tile):
             """The 128x256 block-scaled loop: per K block kb and 128-column half h, the half's WGMMAs into
             ``frag`` (a fresh sum), a wait for them, then ``acc[half h] += frag * a_block[row, kb] *
-            b_block[2 * tile_n + h, kb]``. Both halves have read the stage before it is released. The next
+            b_block[2 * tile[1] + h, kb]`` (tile[1]: the 256-wide N tile's index). Both halves have read the stage before it is released. The next
             block's scales are loaded while the first half's WGMMAs run.
             """
             read_state.reset_count()
