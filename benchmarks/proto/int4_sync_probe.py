@@ -101,6 +101,20 @@ def probe_shapes(spec: str, csv: str | None, width: int = 100):
         out.close()
 
 
+def probe_against_twins(spec: str, csv: str | None, configs, twin) -> None:
+    """Per shape of ``spec``: the streaming read, then every config of ``configs(shape, sms)``, each checked bit
+    for bit against the output of ``twin(cfg)``, the config it varies (``configs`` lists a twin before the
+    variants of it; a config that is its own twin is only checked against float64)."""
+    for shape, sms in probe_shapes(spec, csv, width=110):
+        shape.stream_read(sms)
+        outputs = {}
+        for cfg in configs(shape, sms):
+            key = twin(cfg)
+            got = shape.run_config(cfg, outputs.get(key) if key != cfg else None)
+            if key == cfg:
+                outputs[key] = got
+
+
 def dispatcher_configs(shape: ProbeShape, sms: int) -> list:
     """The ``int4_mma_sync`` configs the dispatcher offers at this shape, M = 1."""
     return [c for c in dm._packed_candidates(1, shape.N, shape.K, sms, shape.lay) if isinstance(c, ims.Int4MmaSync)]

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
-from int4_sync_probe import dispatcher_configs, probe_shapes  # noqa: E402
+from int4_sync_probe import dispatcher_configs, probe_against_twins  # noqa: E402
 from fusekern.kernels import int4_mma as im  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
 
@@ -43,14 +43,9 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,4096x4096")
     args = ap.parse_args()
-    for shape, sms in probe_shapes(args.shapes, args.csv, width=110):
-        shape.stream_read(sms)
-        shipped = {}
-        for cfg in variants(dispatcher_configs(shape, sms), shape.N, shape.K, sms):
-            key = dataclasses.replace(cfg, PREFETCH=1)
-            got = shape.run_config(cfg, shipped.get(key) if key != cfg else None)
-            if key == cfg:
-                shipped[key] = got
+    probe_against_twins(args.shapes, args.csv,
+                        lambda shape, sms: variants(dispatcher_configs(shape, sms), shape.N, shape.K, sms),
+                        lambda cfg: dataclasses.replace(cfg, PREFETCH=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
-from int4_sync_probe import dispatcher_configs, probe_shapes  # noqa: E402
+from int4_sync_probe import dispatcher_configs, probe_against_twins  # noqa: E402
 from fusekern.kernels import int4_mma as im  # noqa: E402
 from fusekern.kernels import int4_mma_sync as ims  # noqa: E402
 
@@ -45,14 +45,9 @@ def main():
     ap.add_argument("--factors", default="2,4", help="unroll factors to try besides the plain loop")
     args = ap.parse_args()
     factors = [int(f) for f in args.factors.split(",")]
-    for shape, sms in probe_shapes(args.shapes, args.csv, width=110):
-        shape.stream_read(sms)
-        plain = {}
-        for cfg in variants(dispatcher_configs(shape, sms), shape.N, shape.K, sms, factors):
-            key = dataclasses.replace(cfg, UNROLL=1)
-            got = shape.run_config(cfg, plain.get(key) if key != cfg else None)
-            if key == cfg:
-                plain[key] = got
+    probe_against_twins(args.shapes, args.csv,
+                        lambda shape, sms: variants(dispatcher_configs(shape, sms), shape.N, shape.K, sms, factors),
+                        lambda cfg: dataclasses.replace(cfg, UNROLL=1))
 
 
 if __name__ == "__main__":
