@@ -60,8 +60,8 @@ class HalfFold(Base):
 
 class NoScaleLoads(Base):
     @cute.jit
-    def _load_scales(self, scales, buf, mSA, mSB, sa_rows, sb_row, kb):
-        for j in cutlass.range_constexpr(len(sa_rows) + 1):
+    def _load_scales(self, scales, buf, mSA, mSB, sa_rows, sb_rows, kb):
+        for j in cutlass.range_constexpr(len(sa_rows) + len(sb_rows)):
             scales[buf, j] = cutlass.Float32(1.0)
 
 

@@ -759,25 +759,25 @@ if _CUTLASS_ERROR is None:
             row0 = tile[0] * self.tile_mnk[0]
             sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
             # tile_n == 128: one b_block row per N tile (clamped: an expanded b_block arrives as one row)
-            sb_row = cutlass.min(tile[1], mSB.shape[0] - 1)
+            sb_rows = [cutlass.min(tile[1], mSB.shape[0] - 1)]
             # Raw scales of two blocks: [buffer, (a_block per row slot..., b_block)]
             scales = cute.make_rmem_tensor((2, len(slot_rep) + 1), cutlass.Float32)
 
-            self._load_scales(scales, 0, mSA, mSB, sa_rows, sb_row, 0)
+            self._load_scales(scales, 0, mSA, mSB, sa_rows, sb_rows, 0)
             self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f0, read_state)
             read_state.advance()
             # blocks 0 .. 2 * pairs - 1 folded here; each iteration issues the next two
             pairs = (k_tiles - 1) // 2
             for p in range(pairs):
                 kb = 2 * p
-                self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_row, kb + 1)
+                self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, kb + 1)
                 self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f1, read_state)
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)  # block kb (f0) done, kb + 1 in flight
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 self._fold(acc, f0, scales, 0, slot_of)
-                self._load_scales(scales, 0, mSA, mSB, sa_rows, sb_row, kb + 2)
+                self._load_scales(scales, 0, mSA, mSB, sa_rows, sb_rows, kb + 2)
                 self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f0, read_state)
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)
@@ -786,7 +786,7 @@ if _CUTLASS_ERROR is None:
                 self._fold(acc, f1, scales, 1, slot_of)
             # f0 holds block 2 * pairs (in flight); one more block remains when k_tiles is even
             if 2 * pairs + 1 < k_tiles:
-                self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_row, 2 * pairs + 1)
+                self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, 2 * pairs + 1)
                 self._issue_block(ab_pipeline, tiled_mma, tCrA, tCrB, f1, read_state)
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)
@@ -823,14 +823,13 @@ if _CUTLASS_ERROR is None:
             sb_last = mSB.shape[0] - 1  # clamps an N tail's block and an expanded b_block (one row)
             sb_rows = [cutlass.min(tile[1] * 2 + h, sb_last) for h in range(2)]
             slots = len(slot_rep)
-            # [a_block per row slot..., b_block per half] of this block (cur) and the next (nxt)
-            cur = cute.make_rmem_tensor((slots + 2,), cutlass.Float32)
-            nxt = cute.make_rmem_tensor((slots + 2,), cutlass.Float32)
-            self._load_half_scales(nxt, mSA, mSB, sa_rows, sb_rows, 0)
+            # [buffer, (a_block per row slot..., b_block per half)]: this block's (0) and the next one's (1)
+            scales = cute.make_rmem_tensor((2, slots + 2), cutlass.Float32)
+            self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, 0)
             frag_v = frag[(None, 0, 0)]
             for kb in range(k_tiles):
                 for j in cutlass.range_constexpr(slots + 2):
-                    cur[j] = nxt[j]
+                    scales[0, j] = scales[1, j]
                 ab_pipeline.consumer_wait(read_state)
                 for h in cutlass.range_constexpr(2):
                     cute.nvgpu.warpgroup.fence()  # frag was read by the previous fold's FMAs
@@ -843,25 +842,17 @@ if _CUTLASS_ERROR is None:
                         mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.commit_group()
                     if cutlass.const_expr(h == 0):
-                        self._load_half_scales(nxt, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 1, k_tiles - 1))
+                        self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 1, k_tiles - 1))
                     cute.nvgpu.warpgroup.wait_group(0)
                     if cutlass.const_expr(h == 1):
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                    scale = [cur[j] * cur[slots + h] for j in range(slots)]
+                    scale = [scales[0, j] * scales[0, slots + h] for j in range(slots)]
                     acc_h = acc[(None, 0, h)]
                     for i in cutlass.range_constexpr(cute.size(frag_v)):
                         acc_h[i] = acc_h[i] + frag_v[i] * scale[slot_of[i]]
                 read_state.advance()
             return read_state, release_state
-
-        @cute.jit
-        def _load_half_scales(self, scales, mSA, mSB, sa_rows, sb_rows, kb):
-            """Block kb's a_block per row slot, then b_block of both halves, into ``scales``."""
-            for j in cutlass.range_constexpr(len(sa_rows)):
-                scales[j] = mSA[sa_rows[j], kb]
-            for h in cutlass.range_constexpr(len(sb_rows)):
-                scales[len(sa_rows) + h] = mSB[sb_rows[h], kb]
 
         @cute.jit
         def _issue_block(self, ab_pipeline, tiled_mma, tCrA, tCrB, frag, read_state):
@@ -878,11 +869,13 @@ if _CUTLASS_ERROR is None:
             cute.nvgpu.warpgroup.commit_group()
 
         @cute.jit
-        def _load_scales(self, scales, buf, mSA, mSB, sa_rows, sb_row, kb):
-            """Block kb's a_block (one per accumulator row the thread owns) and b_block into scales[buf]."""
+        def _load_scales(self, scales, buf, mSA, mSB, sa_rows, sb_rows, kb):
+            """Block kb's a_block (one per accumulator row the thread owns), then its b_block (one per 128
+            columns of the tile), into scales[buf]."""
             for j in cutlass.range_constexpr(len(sa_rows)):
                 scales[buf, j] = mSA[sa_rows[j], kb]
-            scales[buf, len(sa_rows)] = mSB[sb_row, kb]
+            for h in cutlass.range_constexpr(len(sb_rows)):
+                scales[buf, len(sa_rows) + h] = mSB[sb_rows[h], kb]
 
         @cute.jit
         def _fold(self, acc, frag, scales, buf, slot_of):
