@@ -489,11 +489,16 @@ def test_block_scaled_epilogue_and_one_row_a(m, n, k, one_row_a, epilogue):
     _check_block(m, n, k, one_row_a, *epilogue)
 
 
+def _pin_block_tile(monkeypatch, tile):
+    """Every block-scaled product from here on takes ``tile``, whatever the heuristic would choose."""
+    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n, num_sms=132: tile)
+    csm._PLANS.clear()  # plans cached per shape by earlier calls hold the tile chosen then
+
+
 @pytest.fixture
 def wide_block_tiles(monkeypatch):
     """Every block-scaled product takes the 128x256 tile (the heuristic gives it to large problems only)."""
-    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 256))
-    csm._PLANS.clear()  # plans cached per shape by earlier tests hold the heuristic's tile
+    _pin_block_tile(monkeypatch, (128, 256))
     yield
     csm._PLANS.clear()
 
@@ -512,8 +517,7 @@ def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {256}
     # The same arithmetic as the 128x128 tile (a fresh 128-wide WGMMA sum per K block, folded in K order):
     # the same bits.
-    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 128))
-    csm._PLANS.clear()
+    _pin_block_tile(monkeypatch, (128, 128))
     narrow = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {128}
     assert torch.equal(out, narrow)
@@ -540,8 +544,7 @@ def test_block_scaled_wide_tile_outputs_and_epilogues(wide_block_tiles, monkeypa
     ref = csm.reference_scaled_mm(a, b, out_dtype=torch.float64, **kwargs)
     assert out.dtype == out_dtype and torch.isfinite(out).all()
     assert _rel_err(out, ref) < BLOCK_TOLERANCE, (m, n, k, out_dtype)
-    monkeypatch.setattr(csm, "block_scaled_heuristics", lambda m, n=None, num_sms=132: (128, 128))
-    csm._PLANS.clear()
+    _pin_block_tile(monkeypatch, (128, 128))
     assert torch.equal(csm.cute_scaled_mm(a, b, out_dtype=out_dtype, **kwargs), out)
 
 

@@ -147,7 +147,7 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 WIDE_BLOCK_TILE_COST = 1.83
 
 
-def block_scaled_heuristics(m: int, n: Optional[int] = None, num_sms: int = 132) -> tuple[int, int]:
+def block_scaled_heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     """(tile_m, tile_n) for block-scaled fp8.
 
     64x128 for a small batch (one consumer warpgroup). Otherwise 128x256 where its waves of tiles, each
@@ -158,8 +158,6 @@ def block_scaled_heuristics(m: int, n: Optional[int] = None, num_sms: int = 132)
     """
     if m <= 64:
         return 64, 128
-    if n is None:
-        return 128, 128
     rows = math.ceil(m / 128)
     narrow_waves = math.ceil(rows * math.ceil(n / 128) / num_sms)
     wide_waves = math.ceil(rows * math.ceil(n / 256) / num_sms)
