@@ -165,13 +165,16 @@ def trace_sizes(inputs: Mapping[str, TensorSpec], dims: Mapping[str, Dim]) -> di
         if dim.trace is not None:
             size = dim.trace
         else:  # the smallest allowed size above the last one, else the largest unused one below it
-            size = -(-max(candidate, dim.min) // dim.multiple_of) * dim.multiple_of
-            while size in used and size <= dim.max:
-                size += dim.multiple_of
-            if size > dim.max:
-                size = dim.max // dim.multiple_of * dim.multiple_of
-                while size in used and size - dim.multiple_of >= dim.min:
-                    size -= dim.multiple_of
+            step = dim.multiple_of
+            first, last = dim._multiples()
+            k = max(-(-candidate // step), first)
+            while k * step in used and k <= last:
+                k += 1
+            if k > last:
+                k = last
+                while k * step in used and k > first:
+                    k -= 1
+            size = k * step
         sizes[name] = size
         used.add(size)
         candidate = size + 1
