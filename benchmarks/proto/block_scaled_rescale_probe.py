@@ -191,6 +191,57 @@ def compile_only(out_dir: str) -> int:
     return 1 if failed else 0
 
 
+def accuracy(ks: list, csv_path) -> None:
+    """How far each way of accumulating lands from float64, as K grows (M = N = 2048, bf16 output).
+
+    ``bf16_of_exact`` is the float64 result rounded to bf16: the output's own rounding, the least any kernel
+    can have. The block-scaled kernels (``wide``: a fresh fragment per K block folded in fp32; ``rescale``:
+    the sum kept in the WGMMA accumulator) against the block-scaled product; the rowwise kernel and
+    torch._scaled_mm (fast accumulation on and off) against the plain product with unit scales."""
+    from bench_common import versions
+
+    info = versions()
+    rows = []
+    M = N = 2048
+    for K in ks:
+        torch.manual_seed(K)
+        a = (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn)
+        b = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
+        kb, nb = -(-K // 128), -(-N // 128)
+        sa = torch.exp2(torch.rand(M, kb, device="cuda") * 16 - 8)
+        sb = torch.exp2(torch.rand(nb, kb, device="cuda") * 16 - 8)
+        ref_block = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double())
+        ref_plain = a.double() @ b.double().t()
+        ones_a, ones_b = torch.ones(M, 1, device="cuda"), torch.ones(1, N, device="cuda")
+
+        def err(out, ref):
+            d = out.double() - ref
+            return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
+
+        results = {"bf16_of_exact (block)": err(ref_block.to(torch.bfloat16), ref_block),
+                   "bf16_of_exact (plain)": err(ref_plain.to(torch.bfloat16), ref_plain)}
+        for name in ("wide", "rescale"):
+            cls, tiles, _ = VARIANTS[name]
+            _use(cls, tiles)
+            results[name] = err(csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, a_block=sa, b_block=sb), ref_block)
+        _use(Base, (128, 256))
+        results["rowwise_128x256"] = err(csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16), ref_plain)
+        for fast in (False, True):
+            out = torch._scaled_mm(a, b.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=torch.bfloat16,
+                                   use_fast_accum=fast)
+            results[f"torch_scaled_mm fast_accum={fast}"] = err(out, ref_plain)
+        for name, (rel, mx) in results.items():
+            row = dict(variant=name, M=M, N=N, K=K, rel_err=f"{rel:.3e}", max_err_over_max=f"{mx:.3e}", **info)
+            print(row, flush=True)
+            rows.append(row)
+    _use(Base, (128, 128))
+    if csv_path and rows:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -198,9 +249,14 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--compile-only", default=None, metavar="OUT_DIR")
+    ap.add_argument("--accuracy", default=None, metavar="K,K,...",
+                    help="instead of timing: relative errors against float64 at M = N = 2048 and these K")
     args = ap.parse_args()
     if args.compile_only:
         sys.exit(compile_only(args.compile_only))
+    if args.accuracy:
+        accuracy([int(k) for k in args.accuracy.split(",")], args.csv)
+        return
 
     import triton.testing
     from bench_common import versions, warm_up_clocks
