@@ -154,6 +154,29 @@ class Rescale1(Rescale):
     unroll = 1
 
 
+class RowwiseN128(Base):
+    """The rowwise kernel at 128x256 built from 64x128 WGMMAs (two per K step) instead of 64x256: the atom
+    width the block-scaled loops must use. A and B are read from shared memory once per WGMMA, so narrower
+    atoms read A once more per K step."""
+
+    def _setup_tiles(self):
+        cfg = self.config
+        k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
+        self.tiled_mma = csm.sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
+            (self.num_consumers, 1, 1), tiler_mn=(64, csm.SCALE_BLOCK))
+        tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, tile_k)
+        self.epi_tile = (cfg.tile_m, min(32, cfg.tile_n))
+        self.epi_stage = 4 if self.out_dtype.width == 16 else 2
+        ab_bytes = (cfg.tile_m + cfg.tile_n) * tile_k * self.ab_dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        self.ab_stage = min(8, (self.smem_bytes - epi_bytes) // ab_bytes)
+        self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
+        self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
+        self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
+
+
 class RescaleMcast(Multicast, Rescale):
     pass
 
@@ -172,6 +195,7 @@ VARIANTS = {
     "wide_mcast": (WideMcast, (128, 256), True),
     "rescale_mcast": (RescaleMcast, (128, 256), True),
     "rowwise_128x256": (Base, (128, 256), False),
+    "rowwise_128x256_n128": (RowwiseN128, (128, 256), False),
 }
 
 
