@@ -181,7 +181,7 @@ def test_block_scaled_k_1000_and_n_300_are_refused():
 
 def test_block_scaled_config_and_scale_views():
     a, b, a_block, b_block = _block_operands(m=4096, n=7168, k=7168)
-    # 128x256 where its waves (each 1.83 times a 128x128 wave) take less time. N = 7168 on 132 SMs: 28 wide or
+    # 128x256 where its waves (each 1.76 times a 128x128 wave) take less time. N = 7168 on 132 SMs: 28 wide or
     # 56 narrow N tiles; M = 4096 is 7 wide waves against 14, M = 2048 4 against 7 (wide lost there on an H100),
     # M = 1000 2 against 4.
     for m, tile in ((1, (64, 128)), (64, (64, 128)), (65, (128, 128)), (1000, (128, 256)), (2048, (128, 128)),
@@ -504,10 +504,11 @@ def wide_block_tiles(monkeypatch):
 
 
 @pytest.mark.gpu
-# N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008 and
-# 1136: one K block, a partial last one, an odd count; M = 1 and 777: M tails of a 128-row tile.
-@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512)],
-                         ids=lambda v: str(v))
+# N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008, 1136,
+# 512 and 840: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks, which the wide loop takes four to a pass
+# and the rest one at a time; M = 1, 777 and 129: M tails of a 128-row tile.
+@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512),
+                                   (129, 640, 840)], ids=lambda v: str(v))
 @pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])
 @pytest.mark.parametrize("epilogue", [(False, False, None), (True, True, torch.float32)],
                          ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
@@ -515,8 +516,8 @@ def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block
                                                                       one_row_a, epilogue):
     a, b, kwargs, out = _check_block(m, n, k, one_row_a, *epilogue)
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {256}
-    # The same arithmetic as the 128x128 tile (a fresh 128-wide WGMMA sum per K block, folded in K order):
-    # the same bits.
+    # The same arithmetic as the 128x128 tile (a fresh WGMMA sum per K block, 128 columns wide there and 64 in
+    # the wide tile, folded in K order): the same bits.
     _pin_block_tile(monkeypatch, (128, 128))
     narrow = csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, **kwargs)
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {128}

@@ -1,27 +1,43 @@
-"""Block-scaled FP8 CuTe GEMM with the scale applied by rescaling the accumulator (probe).
+"""Block-scaled FP8 CuTe GEMM at 128x256: where its time goes, and a sum rescaled per K block (probe).
 
     python benchmarks/proto/block_scaled_rescale_probe.py [--csv OUT.csv] [--shapes 4096x7168x7168,...] [--rounds 2]
+    python benchmarks/proto/block_scaled_rescale_probe.py --accuracy 1024,7168,16384,32768 [--csv OUT.csv]
     python benchmarks/proto/block_scaled_rescale_probe.py --compile-only OUT_DIR     (CPU: sm_90a builds)
 
-Why: the shipped 128x256 block-scaled loop (``_mainloop_block_scaled_halves``) writes each K block's product of
-a 128-column half into a fresh fragment, waits for it (``wait_group(0)``) and folds it into the sum with one FMA
-per register. The wait leaves the warpgroup's tensor-core queue empty while it folds; the kernel ran 1050
-TFLOP/s on an H100 against 1290-1310 for the rowwise kernel at the same tile (no fold).
+Why: until git 6852fd7 the 128x256 block-scaled loop wrote each K block's product of a 128-column half into a
+fresh fragment, waited for it (``wait_group(0)``) and folded it into the sum with one FMA per register: the
+warpgroup's tensor-core queue ran empty twice per K block. It ran 1035-1037 TFLOP/s on an H100 (M = 4096, N =
+K = 7168) against 1273-1298 for the rowwise kernel at the same tile (no fold).
 
-The sum of a half can instead be kept in units of the current block's scale c(kb) = a_block[row, kb] *
-b_block[half, kb]: acc = S(kb) / c(kb). Before block kb's WGMMAs accumulate into it, acc *= c(kb - 1) / c(kb)
-(one multiply per register, as many as the fold's FMAs); after the last block, acc *= c(last). There is no
-fragment: the WGMMAs accumulate into the sum itself, the halves' sums are 128 registers like the rowwise
-kernel's, and while one half is rescaled the other half's WGMMAs are still in flight (``wait_group(1)``), so the
-tensor cores always have work queued from this warpgroup.
+Variants:
+- ``base``: the shipped 128x128 block-scaled kernel; ``wide``: the shipped 128x256 one (since git 6852fd7's
+  successor, the quarter loop ``_mainloop_block_scaled_quarters``; before it, the half loop above);
+- ``rescale`` (``_u2``, ``_u1``: two or one K blocks per pass): the sum of a half kept in units of the current
+  block's scale c(kb) = a_block[row, kb] * b_block[half, kb]: before block kb's WGMMAs accumulate into it,
+  sum *= c(kb - 1) / c(kb) (one multiply per register, as many as the fold's FMAs), and after the last block
+  sum *= c(last). No fragment, and while one half is rescaled the other half's WGMMAs run. It has no guard for
+  zero, non-finite or widely spread scales (the kernel would need one);
+- ``*_mcast``: with the 1 x 2 multicast cluster of block_scaled_wide_probe.py;
+- ``rowwise_128x256`` and ``rowwise_128x256_n128`` (the same from 64x128 WGMMAs): the tile without any fold.
 
-The arithmetic differs from the fold's (a rounding per block of the rescale instead of the FMA's), so the
-variants' bits differ from the shipped kernel's; each output is checked against a float64 reference.
-This probe has no guard for zero, non-finite or wildly spread scales (a real kernel needs one).
+Every output is checked against float64 with the output poisoned first; the variants that promote each K block
+to fp32 (``PROMOTING``) are checked bit for bit against each other. Results on an H100, CUDA graph, median
+TFLOP/s over two rounds at M = 4096 / 2048 (N = K = 7168), in benchmarks/results/h100/:
+- ``block_scaled_rescale_probe_f7a86f8.csv``: half loop 1027-1037 / 928-932, rescale 1130-1133 / 1005-1006
+  (1120-1128 with fewer blocks per pass; multicast no better), rowwise 1293-1298 / 1135.
+- ``fp8_accumulation_accuracy_362e842.csv`` (``--accuracy``): the rescaled sum stays in the tensor cores'
+  accumulator, whose additions keep fewer bits than fp32; its error grows with K to 4.3x the output's own
+  rounding at K = 32768, where the fold stays at that rounding. So it is not in the kernel.
+- ``block_scaled_n128_probe_43c0742.csv``: rowwise from 64x128 WGMMAs 1249-1258 against 1267-1274: the atom
+  width costs 1-2%; the fp32 work beside the running WGMMAs costs about 11% by itself (rescale 1113-1119).
+- ``block_scaled_quarters_probe_6852fd7.csv``: the quarter loop (64x64 WGMMAs, two 32-register fragments in
+  turn, one quarter folded while the next runs) 1073-1078 / 936-948 against the half loop's 1035-1037 /
+  927-932 and 128x128's 942-944 / 952-955, the same bits as both; it went into the kernel.
 
-Variants: ``wide`` (shipped), ``rescale`` (the loop below, exact division for the ratio), ``rescale_rcp``
-(the ratio from ``rcp.approx``), ``*_mcast`` (with the 1 x 2 multicast cluster of block_scaled_wide_probe.py),
-``rowwise_128x256`` (the same tile with no scales).
+ptxas serializes every WGMMA of a kernel (info C7514) when ordinary instructions touch WGMMA registers while a
+group committed before a control-flow merge (the K loop's head) may still be in flight, even when every path
+leaves the same groups pending; so each pass of these loops is straight-line code that starts and ends with no
+WGMMA in flight, and each ``wait_group(1)`` follows the commit it leaves in flight.
 """
 from __future__ import annotations
 
@@ -56,9 +72,12 @@ class Rescale(Base):
 
     unroll = 4
 
+    def _atom_n(self) -> int:
+        return csm.SCALE_BLOCK  # one WGMMA per 128-column half
+
     @cute.jit
-    def _mainloop_block_scaled_halves(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag, tCcAcc, k_tiles,
-                                      read_state, release_state, mSA, mSB, tile):
+    def _mainloop_block_scaled_quarters(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag, tCcAcc, k_tiles,
+                                        read_state, release_state, mSA, mSB, tile):
         read_state.reset_count()
         release_state.reset_count()
         slot_of, slot_rep = csm._row_slots(tiled_mma, (self.tile_mnk[0], csm.SCALE_BLOCK))
@@ -156,128 +175,11 @@ class Rescale1(Rescale):
 
 class RowwiseN128(Base):
     """The rowwise kernel at 128x256 built from 64x128 WGMMAs (two per K step) instead of 64x256: the atom
-    width the block-scaled loops must use. A and B are read from shared memory once per WGMMA, so narrower
-    atoms read A once more per K step."""
+    width the block-scaled loops used until git 6852fd7. A and B are read from shared memory once per WGMMA,
+    so narrower atoms read A once more per K step."""
 
-    def _setup_tiles(self):
-        cfg = self.config
-        k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
-        self.tiled_mma = csm.sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
-            (self.num_consumers, 1, 1), tiler_mn=(64, csm.SCALE_BLOCK))
-        tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, tile_k)
-        self.epi_tile = (cfg.tile_m, min(32, cfg.tile_n))
-        self.epi_stage = 4 if self.out_dtype.width == 16 else 2
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * tile_k * self.ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
-        self.ab_stage = min(8, (self.smem_bytes - epi_bytes) // ab_bytes)
-        self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
-        self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
-        self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
-
-
-class Quarters(Base):
-    """The 128x256 block-scaled fold (promotion to fp32 per K block, as shipped) from 64x64 WGMMAs: a K block's
-    four 64-column quarters go into two 32-register fragments in turn, and while quarter q's WGMMAs run, quarter
-    q - 1's fragment is folded into the sum (``wait_group(1)``), so the tensor cores' queue is never empty. The
-    same 192 registers as the shipped fold; four K blocks per pass of straight-line code (see ``Rescale``)."""
-
-    unroll = 4
-
-    def _setup_tiles(self):
-        cfg = self.config
-        k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
-        self.tiled_mma = csm.sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
-            (self.num_consumers, 1, 1), tiler_mn=(64, 64))
-        tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, tile_k)
-        self.epi_tile = (cfg.tile_m, min(32, cfg.tile_n))
-        self.epi_stage = 4 if self.out_dtype.width == 16 else 2
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * tile_k * self.ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
-        self.ab_stage = min(8, (self.smem_bytes - epi_bytes) // ab_bytes)
-        self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
-        self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
-        self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
-
-    @cute.jit
-    def _mainloop_block_scaled_halves(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag, tCcAcc, k_tiles,
-                                      read_state, release_state, mSA, mSB, tile):
-        read_state.reset_count()
-        release_state.reset_count()
-        # rows of a quarter's registers (the quarters differ in columns only)
-        slot_of, slot_rep = csm._row_slots(tiled_mma, (self.tile_mnk[0], 64))
-        sa_last = mSA.shape[0] - 1
-        row0 = tile[0] * self.tile_mnk[0]
-        sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
-        sb_last = mSB.shape[0] - 1
-        sb_rows = [cutlass.min(tile[1] * 2 + h, sb_last) for h in range(2)]
-        slots = len(slot_rep)
-        # raw scales of blocks kb - 1, kb and kb + 1: [block, (a_block per row slot..., b_block per half)]
-        scales = cute.make_rmem_tensor((3, slots + 2), cutlass.Float32)
-        self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, 0)
-        self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(1, k_tiles - 1))
-        # the 64 registers the caller made for a 128-column fragment, as two 64-column ones
-        frags = (cute.append_ones(frag[(None, None, 0)], 3), cute.append_ones(frag[(None, None, 1)], 3))
-        acc.fill(0.0)
-        passes = k_tiles // self.unroll
-        for p in range(passes):
-            read_state, release_state = self._quarter_blocks(
-                ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
-                sa_rows, sb_rows, k_tiles, p * self.unroll, self.unroll, read_state, release_state)
-        for kb in range(passes * self.unroll, k_tiles):
-            read_state, release_state = self._quarter_blocks(
-                ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
-                sa_rows, sb_rows, k_tiles, kb, 1, read_state, release_state)
-        return read_state, release_state
-
-    @cute.jit
-    def _quarter_blocks(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
-                        sa_rows, sb_rows, k_tiles, first, count: cutlass.Constexpr, read_state, release_state):
-        """Blocks first .. first + count - 1, straight-line, with no WGMMA in flight on entry and exit."""
-        kmma = cute.size(tCrA, mode=[2])
-        for i in cutlass.range_constexpr(count):
-            kb = first + i
-            ab_pipeline.consumer_wait(read_state)
-            for q in cutlass.range_constexpr(4):
-                f = frags[q % 2]
-                cute.nvgpu.warpgroup.fence()  # f was read by the fold two quarters ago
-                mma_atom = cute.make_mma_atom(tiled_mma.op)
-                mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for kk in cutlass.range_constexpr(kmma):
-                    cute.gemm(mma_atom, f, tCrA[(None, None, kk, read_state.index)],
-                              cute.append_ones(tCrB[(None, q, kk, read_state.index)], 2), f)
-                    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                if cutlass.const_expr(i > 0 or q > 0):
-                    cute.nvgpu.warpgroup.wait_group(1)  # the previous quarter's WGMMAs are done
-                    if cutlass.const_expr(q == 0):
-                        ab_pipeline.consumer_release(release_state)  # block kb - 1 is read
-                        release_state.advance()
-                        self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)
-                    else:
-                        self._fold_quarter(acc, frags[(q - 1) % 2], q - 1, scales, 1, slots, slot_of)
-            for j in cutlass.range_constexpr(slots + 2):
-                scales[0, j] = scales[1, j]
-                scales[1, j] = scales[2, j]
-            self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 2, k_tiles - 1))
-            read_state.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)  # the last block's last quarter
-        return read_state, release_state
-
-    @cute.jit
-    def _fold_quarter(self, acc, f, q, scales, buf, slots, slot_of):
-        """acc[quarter q] += f * a_block of the register's row * b_block of the quarter's half (scales[buf])."""
-        scale = [scales[buf, j] * scales[buf, slots + q // 2] for j in range(slots)]
-        acc_q = acc[(None, 0, q)]
-        f_v = f[(None, 0, 0)]
-        for i in cutlass.range_constexpr(cute.size(f_v)):
-            acc_q[i] = acc_q[i] + f_v[i] * scale[slot_of[i]]
+    def _atom_n(self) -> int:
+        return csm.SCALE_BLOCK
 
 
 class RescaleMcast(Multicast, Rescale):
@@ -299,12 +201,11 @@ VARIANTS = {
     "rescale_mcast": (RescaleMcast, (128, 256), True),
     "rowwise_128x256": (Base, (128, 256), False),
     "rowwise_128x256_n128": (RowwiseN128, (128, 256), False),
-    "quarters": (Quarters, (128, 256), True),
 }
 
 
 # block-scaled variants that fold each K block's fresh fragment in fp32: the same arithmetic, so the same bits
-PROMOTING = ("base", "wide", "wide_mcast", "quarters")
+PROMOTING = ("base", "wide", "wide_mcast")
 
 
 def compile_only(out_dir: str) -> int:

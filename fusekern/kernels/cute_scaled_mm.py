@@ -38,7 +38,7 @@ Design
   stride 0 is passed as one row), b_block fp32 [ceil(N/128), ceil(K/128)] (an expanded one likewise,
   both row indices are clamped to the last row); both take any row stride (0 included)
   and need a unit K-block stride (a one-column matrix may have any). The K tile is 128, one scale
-  block, and the WGMMAs are 128 columns wide, so b_block is one scalar per (128 columns, K block).
+  block, and the WGMMAs are at most 128 columns wide, so b_block is one scalar per WGMMA and K block.
   "Promotion": each K tile's WGMMAs write a fresh fp32 fragment (ACCUMULATE off on its first K step),
   which is folded into the main accumulator with one FMA per register, scaled by a_block of the
   register's row times the b_block scalar. Two tiles:
@@ -46,11 +46,12 @@ Design
     while one is folded (``wait_group(1)``); the accumulator and two 64x128 fragments are 192 registers
     per consumer thread. Each tile's scales are loaded (a few KiB, L2-resident) one tile ahead.
   - 128x256 (where its waves take less time, ``block_scaled_heuristics``): the accumulator of a 64x256 slab is 128
-    registers, so one 64-register fragment serves both 128-column halves in turn: a half's WGMMAs, a
-    wait for them, its fold, then the other half. Nothing overlaps the fold inside a warpgroup; the
-    other consumer's WGMMAs keep the tensor cores busy meanwhile. Half the A bytes per FLOP of 128x128:
-    on an H100 at M = 4096, N = K = 7168, 1050 TFLOP/s against 962 in a CUDA graph
-    (``benchmarks/proto/block_scaled_wide_probe.py``, ``benchmarks/results/h100/block_scaled_wide_shipped_8cb811e.csv``).
+    registers, and the WGMMAs are 64 wide: a K block's four 64-column quarters go into two 32-register
+    fragments in turn, and one quarter is folded while the next one's WGMMAs run. Half the A bytes per FLOP
+    of 128x128: on an H100 at M = 4096, N = K = 7168, 1073-1078 TFLOP/s against 942-944 for 128x128 in a
+    CUDA graph (``benchmarks/proto/block_scaled_rescale_probe.py``,
+    ``benchmarks/results/h100/block_scaled_quarters_probe_6852fd7.csv``). ptxas needs its K loop in passes of
+    straight-line code (``_mainloop_block_scaled_quarters``).
   M-tail rows and a one-row a_block both come from clamping the a_block row index to its last row, an
   N tail's b_block row likewise. The last K block may be partial: TMA zero-fills it.
 """
@@ -141,20 +142,25 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     return 128, 128
 
 
-# What a 128x256 block-scaled tile costs against a 128x128 one: 1.83x the time for twice the work (H100, M = 4096,
-# N = K = 7168: 401 against 437 us for the whole product at the same number of waves;
-# benchmarks/results/h100/block_scaled_wide_shipped_8cb811e.csv).
-WIDE_BLOCK_TILE_COST = 1.83
+# What a 128x256 block-scaled tile costs against a 128x128 one: 1.76x the time for twice the work (H100, N = K =
+# 7168: 1.75x at M = 4096, 390-392 against 446-447 us for 7 and 14 waves, and 1.77x at M = 2048, 222-225 against
+# 220-221 us for 4 and 7 waves; benchmarks/results/h100/block_scaled_quarters_probe_6852fd7.csv).
+WIDE_BLOCK_TILE_COST = 1.76
+
+# K blocks per pass of the 128x256 block-scaled loop's straight-line code (``_quarter_blocks``): it drains the
+# warpgroup's WGMMA queue once per pass. One or two per pass ran within 1% of four in the same kind of loop
+# (benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv).
+BLOCKS_PER_PASS = 4
 
 
 def block_scaled_heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
     """(tile_m, tile_n) for block-scaled fp8.
 
     64x128 for a small batch (one consumer warpgroup). Otherwise 128x256 where its waves of tiles, each
-    ``WIDE_BLOCK_TILE_COST`` times a 128x128 tile, take less time than 128x128's waves, else 128x128. The wide
-    tile's fold cannot overlap its own WGMMAs, so it pays only with enough tiles and full last waves: on an
-    H100 it won at M = 4096 (7 waves against 14; 401 against 437 us, N = K = 7168) and lost at M = 2048 (4
-    against 7; 222 against 215 us) and at 1100 x 1664 x 1408 (one wave each; 12.7 against 8.6 us).
+    ``WIDE_BLOCK_TILE_COST`` times a 128x128 tile, take less time than 128x128's waves, else 128x128. On an H100
+    the wide tile won at M = 4096 (7 waves against 14; 390-392 against 446-447 us, N = K = 7168) and lost at
+    M = 2048 (4 against 7; 222-225 against 220-221 us) and at 1100 x 1664 x 1408 (one wave each; 11.9-12.0
+    against 8.7 us).
     """
     if m <= 64:
         return 64, 128
@@ -424,11 +430,9 @@ if _CUTLASS_ERROR is None:
         def _setup_tiles(self):
             cfg = self.config
             k_major = cute.nvgpu.warpgroup.OperandMajorMode.K
-            # Block-scaled tiles are built from 128-wide WGMMAs (one b_block scalar each): at tile_n 256 the
-            # C partition then has one N step per 128-column half.
             self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, k_major, k_major, self.acc_dtype,
-                (self.num_consumers, 1, 1), tiler_mn=(64, SCALE_BLOCK if cfg.block_scaled else cfg.tile_n),
+                (self.num_consumers, 1, 1), tiler_mn=(64, self._atom_n()),
             )
             # Four WGMMA K-steps per stage: K tile 64 for 16-bit inputs, 128 for fp8.
             tile_k = cute.size(self.tiled_mma.shape_mnk, mode=[2]) * 4
@@ -442,6 +446,15 @@ if _CUTLASS_ERROR is None:
             self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
             self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
             self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
+
+        def _atom_n(self) -> int:
+            """N of one WGMMA. The whole tile for plain tiles; block-scaled tiles use WGMMAs at most 128 wide
+            (one b_block scalar each), and the 128x256 one 64-wide ones: its C partition then has one N step per
+            64-column quarter (``_mainloop_block_scaled_quarters``)."""
+            cfg = self.config
+            if not cfg.block_scaled:
+                return cfg.tile_n
+            return SCALE_BLOCK if cfg.tile_n <= SCALE_BLOCK else SCALE_BLOCK // 2
 
         @staticmethod
         def _staged_smem_layout(tile_shape, dtype, stages):
@@ -653,10 +666,10 @@ if _CUTLASS_ERROR is None:
                     frags = (cute.make_rmem_tensor(acc_shape, self.acc_dtype),
                              cute.make_rmem_tensor(acc_shape, self.acc_dtype))
                 else:
-                    # One fragment for a 128-column half, used by both halves in turn.
-                    half_shape = thr_mma.partition_C(
+                    # 64 registers (what a 128-column fragment takes), used as two 64-column fragments.
+                    pair_shape = thr_mma.partition_C(
                         cute.make_identity_tensor((self.tile_mnk[0], SCALE_BLOCK))).shape
-                    frags = (cute.make_rmem_tensor(half_shape, self.acc_dtype),)
+                    frags = (cute.make_rmem_tensor(pair_shape, self.acc_dtype),)
 
             # Register -> shared copy of one epilogue slice (stmatrix for 16-bit outputs).
             r2s = self._make_r2s_copy(tiled_mma)
@@ -684,7 +697,7 @@ if _CUTLASS_ERROR is None:
                         ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, tCcAcc, k_tiles,
                         read_state, release_state, mSA, mSB, work.tile_idx)
                 elif cutlass.const_expr(self.config.block_scaled):
-                    read_state, release_state = self._mainloop_block_scaled_halves(
+                    read_state, release_state = self._mainloop_block_scaled_quarters(
                         ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags[0], tCcAcc, k_tiles,
                         read_state, release_state, mSA, mSB, work.tile_idx)
                 else:
@@ -803,54 +816,100 @@ if _CUTLASS_ERROR is None:
             return read_state, release_state
 
         @cute.jit
-        def _mainloop_block_scaled_halves(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag, tCcAcc, k_tiles,
-                                          read_state, release_state, mSA, mSB, tile):
-            """The 128x256 block-scaled loop: per K block kb and 128-column half h, the half's WGMMAs into
-            ``frag`` (a fresh sum), a wait for them, then ``acc[half h] += frag * a_block[row, kb] *
-            b_block[2 * tile[1] + h, kb]`` (tile[1]: the 256-wide N tile's index). Both halves have read the stage before it is released. The next
-            block's scales are loaded while the first half's WGMMAs run.
+        def _mainloop_block_scaled_quarters(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frag_pair, tCcAcc,
+                                            k_tiles, read_state, release_state, mSA, mSB, tile):
+            """The 128x256 block-scaled loop, from 64x64 WGMMAs: a K block's four 64-column quarters go into
+            two 32-register fragments in turn (``frag_pair``: the 64 registers a 128-column fragment takes),
+            and while quarter q's WGMMAs run, quarter q - 1's fragment is folded into the sum,
+            ``acc[quarter] += fragment * a_block[row, kb] * b_block[2 * tile[1] + quarter // 2, kb]``
+            (``wait_group(1)``), so this warpgroup's tensor-core queue is never empty. The same fold, and so the
+            same bits, as the 128x128 loop.
+
+            ptxas serializes every WGMMA of the kernel (info C7514) when ordinary instructions touch WGMMA
+            registers while a group committed before a control-flow merge (the K loop's head) may still be in
+            flight: it does not carry which groups are pending across the merge. So the K blocks go
+            ``BLOCKS_PER_PASS`` at a time through straight-line code (``_quarter_blocks``) that starts and ends
+            with no WGMMA in flight; within it, each ``wait_group(1)`` follows the commit it leaves in flight.
+            H100, M = 4096, N = K = 7168: 1073-1078 TFLOP/s against 1035-1037 for the previous loop (a half's
+            WGMMAs, a wait for them, its fold; benchmarks/proto/block_scaled_rescale_probe.py).
             """
             read_state.reset_count()
             release_state.reset_count()
-            acc.fill(0.0)
-            # rows of a half's registers (the halves differ in columns only)
-            slot_of, slot_rep = _row_slots(tiled_mma, (self.tile_mnk[0], SCALE_BLOCK))
+            quarter = SCALE_BLOCK // 2
+            # rows of a quarter's registers (the quarters differ in columns only)
+            slot_of, slot_rep = _row_slots(tiled_mma, (self.tile_mnk[0], quarter))
             sa_last = mSA.shape[0] - 1  # 0 for a one-row (broadcast) a_block; clamps M-tail rows
             row0 = tile[0] * self.tile_mnk[0]
             sa_rows = [cutlass.min(row0 + tCcAcc[rep][0], sa_last) for rep in slot_rep]
             sb_last = mSB.shape[0] - 1  # clamps an N tail's block and an expanded b_block (one row)
             sb_rows = [cutlass.min(tile[1] * 2 + h, sb_last) for h in range(2)]
             slots = len(slot_rep)
-            # [buffer, (a_block per row slot..., b_block per half)]: this block's (0) and the next one's (1)
-            scales = cute.make_rmem_tensor((2, slots + 2), cutlass.Float32)
+            # raw scales of blocks kb - 1, kb and kb + 1: [block, (a_block per row slot..., b_block per half)]
+            scales = cute.make_rmem_tensor((3, slots + 2), cutlass.Float32)
             self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, 0)
-            frag_v = frag[(None, 0, 0)]
-            for kb in range(k_tiles):
-                for j in cutlass.range_constexpr(slots + 2):
-                    scales[0, j] = scales[1, j]
+            self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(1, k_tiles - 1))
+            frags = (cute.append_ones(frag_pair[(None, None, 0)], 3), cute.append_ones(frag_pair[(None, None, 1)], 3))
+            acc.fill(0.0)
+            passes = k_tiles // BLOCKS_PER_PASS
+            for p in range(passes):
+                read_state, release_state = self._quarter_blocks(
+                    ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
+                    sa_rows, sb_rows, k_tiles, p * BLOCKS_PER_PASS, BLOCKS_PER_PASS, read_state, release_state)
+            for kb in range(passes * BLOCKS_PER_PASS, k_tiles):
+                read_state, release_state = self._quarter_blocks(
+                    ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
+                    sa_rows, sb_rows, k_tiles, kb, 1, read_state, release_state)
+            return read_state, release_state
+
+        @cute.jit
+        def _quarter_blocks(self, ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA,
+                            mSB, sa_rows, sb_rows, k_tiles, first, count: cutlass.Constexpr, read_state,
+                            release_state):
+            """K blocks first .. first + count - 1 in straight-line code, with no WGMMA in flight on entry and
+            on exit. On entry scales[1] and scales[2] hold blocks first's and first + 1's scales."""
+            kmma = cute.size(tCrA, mode=[2])
+            for i in cutlass.range_constexpr(count):
+                kb = first + i
                 ab_pipeline.consumer_wait(read_state)
-                for h in cutlass.range_constexpr(2):
-                    cute.nvgpu.warpgroup.fence()  # frag was read by the previous fold's FMAs
+                for q in cutlass.range_constexpr(4):
+                    f = frags[q % 2]
+                    cute.nvgpu.warpgroup.fence()  # f was read by the fold two quarters ago
+                    # A fresh atom per quarter: its ACCUMULATE field changes inside the loop.
                     mma_atom = cute.make_mma_atom(tiled_mma.op)
                     mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-                        # A (V, one M step), this half of B as (V, one N step), the fragment (V, 1, 1)
-                        cute.gemm(mma_atom, frag, tCrA[(None, None, kk, read_state.index)],
-                                  cute.append_ones(tCrB[(None, h, kk, read_state.index)], 2), frag)
+                    for kk in cutlass.range_constexpr(kmma):
+                        cute.gemm(mma_atom, f, tCrA[(None, None, kk, read_state.index)],
+                                  cute.append_ones(tCrB[(None, q, kk, read_state.index)], 2), f)
                         mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.commit_group()
-                    if cutlass.const_expr(h == 0):
-                        self._load_scales(scales, 1, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 1, k_tiles - 1))
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    if cutlass.const_expr(h == 1):
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
-                    scale = [scales[0, j] * scales[0, slots + h] for j in range(slots)]
-                    acc_h = acc[(None, 0, h)]
-                    for i in cutlass.range_constexpr(cute.size(frag_v)):
-                        acc_h[i] = acc_h[i] + frag_v[i] * scale[slot_of[i]]
+                    if cutlass.const_expr(i > 0 or q > 0):
+                        cute.nvgpu.warpgroup.wait_group(1)  # the quarter before this one is done
+                        if cutlass.const_expr(q == 0):
+                            ab_pipeline.consumer_release(release_state)  # block kb - 1's stage is read
+                            release_state.advance()
+                            self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)
+                        else:
+                            self._fold_quarter(acc, frags[(q - 1) % 2], q - 1, scales, 1, slots, slot_of)
+                for j in cutlass.range_constexpr(slots + 2):
+                    scales[0, j] = scales[1, j]
+                    scales[1, j] = scales[2, j]
+                self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 2, k_tiles - 1))
                 read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)  # the last block's last quarter
             return read_state, release_state
+
+        @cute.jit
+        def _fold_quarter(self, acc, f, q, scales, buf, slots, slot_of):
+            """acc[quarter q] += f * a_block of the register's row * b_block of the quarter's half, both from
+            scales[buf]."""
+            scale = [scales[buf, j] * scales[buf, slots + q // 2] for j in range(slots)]
+            acc_q = acc[(None, 0, q)]
+            f_v = f[(None, 0, 0)]
+            for i in cutlass.range_constexpr(cute.size(f_v)):
+                acc_q[i] = acc_q[i] + f_v[i] * scale[slot_of[i]]
 
         @cute.jit
         def _issue_block(self, ab_pipeline, tiled_mma, tCrA, tCrB, frag, read_state):
