@@ -10,8 +10,8 @@ warpgroup's tensor-core queue ran empty twice per K block. It ran 1035-1037 TFLO
 K = 7168) against 1273-1298 for the rowwise kernel at the same tile (no fold).
 
 Variants:
-- ``base``: the shipped 128x128 block-scaled kernel; ``wide``: the shipped 128x256 one (since git 6852fd7's
-  successor, the quarter loop ``_mainloop_block_scaled_quarters``; before it, the half loop above);
+- ``base``: the shipped 128x128 block-scaled kernel; ``wide``: the shipped 128x256 one (since git 0c5c38c the
+  quarter loop ``_mainloop_block_scaled_quarters``, before it the half loop above);
 - ``rescale`` (``_u2``, ``_u1``: two or one K blocks per pass): the sum of a half kept in units of the current
   block's scale c(kb) = a_block[row, kb] * b_block[half, kb]: before block kb's WGMMAs accumulate into it,
   sum *= c(kb - 1) / c(kb) (one multiply per register, as many as the fold's FMAs), and after the last block

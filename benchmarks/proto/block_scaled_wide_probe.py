@@ -11,7 +11,8 @@ two fragments of a 64x256 slab would be 384 registers per thread). The variants:
 - ``base``: the 128x128 block-scaled kernel (two 64x128 fragments alternating; producer / consumer registers
   40 / 232);
 - ``wide``: the 128x256 block-scaled tile (one 64-register fragment per 128-column half in turn; the kernel's
-  ``_mainloop_block_scaled_halves``);
+  ``_mainloop_block_scaled_halves``, replaced at git 0c5c38c by ``_mainloop_block_scaled_quarters``: this
+  variant now runs that loop);
 - ``*_24_240``: registers split 24 / 240 (CUTLASS's Hopper blockwise example found it about 25% faster than
   40 / 232 for its own kernel);
 - ``*_mcast``: a 1 x 2 cluster whose two CTAs share A by TMA multicast (``Multicast`` below, not in the kernel);
