@@ -182,6 +182,17 @@ class RowwiseN128(Base):
         return csm.SCALE_BLOCK
 
 
+class SwizzleN8(Base):
+    """Tiles visited in bands of 8 M tiles, along N: the CTAs of one wave share 8 row blocks of A and about
+    132 / 8 column blocks of B, instead of every row block of A and two or four column blocks of B."""
+    swizzle_size = 8
+    raster_along_m = False
+
+
+class SwizzleN16(SwizzleN8):
+    swizzle_size = 16
+
+
 class RescaleMcast(Multicast, Rescale):
     pass
 
@@ -201,11 +212,16 @@ VARIANTS = {
     "rescale_mcast": (RescaleMcast, (128, 256), True),
     "rowwise_128x256": (Base, (128, 256), False),
     "rowwise_128x256_n128": (RowwiseN128, (128, 256), False),
+    "rowwise_128x256_sw8n": (SwizzleN8, (128, 256), False),
+    "rowwise_128x256_sw16n": (SwizzleN16, (128, 256), False),
+    "wide_sw8n": (SwizzleN8, (128, 256), True),
+    "wide_sw16n": (SwizzleN16, (128, 256), True),
 }
 
 
 # block-scaled variants that fold each K block's fresh fragment in fp32: the same arithmetic, so the same bits
-PROMOTING = ("base", "wide", "wide_mcast")
+PROMOTING = ("base", "wide", "wide_mcast", "wide_sw8n", "wide_sw16n")
+ROWWISE_256 = ("rowwise_128x256", "rowwise_128x256_sw8n", "rowwise_128x256_sw16n")
 
 
 def compile_only(out_dir: str) -> int:
@@ -309,6 +325,7 @@ def main():
         ref = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double()).float()
         ref_row = (a.float() @ b.float().t())
         flops = 2 * M * N * K
+        rowwise = None
         promoted = None  # the first output of a promoting block-scaled variant: the others must match its bits
         for rnd in range(args.rounds):
             for name in args.variants.split(","):
@@ -336,6 +353,11 @@ def main():
                         promoted = out.clone()
                     elif not torch.equal(out, promoted):
                         note += " bits differ from the other promoting variants"
+                if name in ROWWISE_256:  # the tile order changes no arithmetic
+                    if rowwise is None:
+                        rowwise = out.clone()
+                    elif not torch.equal(out, rowwise):
+                        note += " bits differ from the other rowwise 64x256-atom variants"
                 us = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
                 row = dict(variant=name, round=rnd, M=M, N=N, K=K, tile=f"{tiles[0]}x{tiles[1]}",
                            block_scaled=block, rel_err=f"{err:.2e}", us=round(us, 1),

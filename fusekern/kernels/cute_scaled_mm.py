@@ -526,7 +526,7 @@ if _CUTLASS_ERROR is None:
 
             tiles = cute.zipped_divide(mD, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
             tiles_mn = tiles[(0, (None, None))].shape
-            sched_params = utils.PersistentTileSchedulerParams((*tiles_mn, 1), (1, 1, 1))
+            sched_params = self._scheduler_params(tiles_mn)
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, num_sms)
 
             @cute.struct
@@ -546,6 +546,15 @@ if _CUTLASS_ERROR is None:
                 self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
             ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1),
                      min_blocks_per_mp=1, stream=stream)
+
+        # The order in which a CTA's persistent loop visits output tiles: along M, one N column of tiles
+        # after another (swizzle 1), or in bands of ``swizzle_size`` tiles (along M or N) that share operands.
+        swizzle_size = 1
+        raster_along_m = True
+
+        def _scheduler_params(self, tiles_mn):
+            return utils.PersistentTileSchedulerParams((*tiles_mn, 1), (1, 1, 1), swizzle_size=self.swizzle_size,
+                                                       raster_along_m=self.raster_along_m)
 
         # ---- device kernel -------------------------------------------------------------------------
 
