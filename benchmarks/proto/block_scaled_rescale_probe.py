@@ -42,8 +42,6 @@ WGMMA in flight, and each ``wait_group(1)`` follows the commit it leaves in flig
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 import sys
 
 import torch
@@ -51,7 +49,8 @@ import torch
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
 from fusekern.kernels import cute_scaled_mm as csm  # noqa: E402
-from block_scaled_wide_probe import Base, Multicast, _use  # noqa: E402
+from block_scaled_wide_probe import (Base, BaseMcast, Multicast, _use, compile_only, time_variants,  # noqa: E402
+                                     write_csv)
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -133,13 +132,9 @@ class Rescale(Base):
             self._issue_half(tiled_mma, tCrA, tCrB, acc, 1, read_state.index, kmma)
             cute.nvgpu.warpgroup.wait_group(1)  # half 0 of block kb done
             self._rescale(acc, 0, unit, ring, 1, slots, ratio, slot_of)  # half 0 into block kb + 1's units
-            for j in cutlass.range_constexpr(slots + 2):
-                ring[0, j] = ring[1, j]
-                ring[1, j] = ring[2, j]
+            self._shift_scales(ring)
             read_state.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
+        self._drain(ab_pipeline, release_state)
         return read_state, release_state
 
     @cute.jit
@@ -197,10 +192,6 @@ class RescaleMcast(Multicast, Rescale):
     pass
 
 
-class WideMcast(Multicast, Base):
-    pass
-
-
 # name -> (kernel class, tiles, block-scaled)
 VARIANTS = {
     "base": (Base, (128, 128), True),
@@ -208,7 +199,7 @@ VARIANTS = {
     "rescale": (Rescale, (128, 256), True),
     "rescale_u2": (Rescale2, (128, 256), True),
     "rescale_u1": (Rescale1, (128, 256), True),
-    "wide_mcast": (WideMcast, (128, 256), True),
+    "wide_mcast": (BaseMcast, (128, 256), True),
     "rescale_mcast": (RescaleMcast, (128, 256), True),
     "rowwise_128x256": (Base, (128, 256), False),
     "rowwise_128x256_n128": (RowwiseN128, (128, 256), False),
@@ -221,23 +212,11 @@ VARIANTS = {
 
 # block-scaled variants that fold each K block's fresh fragment in fp32: the same arithmetic, so the same bits
 PROMOTING = ("base", "wide", "wide_mcast", "wide_sw8n", "wide_sw16n")
-ROWWISE_256 = ("rowwise_128x256", "rowwise_128x256_sw8n", "rowwise_128x256_sw16n")
+ROWWISE_256 = ("rowwise_128x256", "rowwise_128x256_sw8n", "rowwise_128x256_sw16n")  # the tile order changes no bits
 
 
-def compile_only(out_dir: str) -> int:
-    """sm_90a builds of every variant on this machine (no GPU): registers and spills."""
-    failed = 0
-    for name, (cls, tiles, block) in VARIANTS.items():
-        _use(cls, tiles)
-        config = csm.KernelConfig("f8e4m3", "bf16", *tiles, block_scaled=block)
-        try:
-            (entry,) = csm.aot_compile_sm90a(os.path.join(out_dir, name), [config])
-            print(name, {k: entry.get(k) for k in ("registers", "stack", "spill_stores", "spill_loads",
-                                                  "fast_args")}, flush=True)
-        except Exception as exc:  # noqa: BLE001 - reported, the others go on
-            failed += 1
-            print(name, "FAILED:", type(exc).__name__, str(exc)[:3000], flush=True)
-    return 1 if failed else 0
+def _family(name: str):
+    return "promoting" if name in PROMOTING else "rowwise 64x256 atoms" if name in ROWWISE_256 else None
 
 
 def accuracy(ks: list, csv_path) -> None:
@@ -284,11 +263,7 @@ def accuracy(ks: list, csv_path) -> None:
             print(row, flush=True)
             rows.append(row)
     _use(Base, (128, 128))
-    if csv_path and rows:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+    write_csv(csv_path, rows)
 
 
 def main():
@@ -302,12 +277,11 @@ def main():
                     help="instead of timing: relative errors against float64 at M = N = 2048 and these K")
     args = ap.parse_args()
     if args.compile_only:
-        sys.exit(compile_only(args.compile_only))
+        sys.exit(compile_only(args.compile_only, VARIANTS))
     if args.accuracy:
         accuracy([int(k) for k in args.accuracy.split(",")], args.csv)
         return
 
-    import triton.testing
     from bench_common import versions, warm_up_clocks
 
     warm_up_clocks()
@@ -324,52 +298,10 @@ def main():
         sb = torch.exp2(torch.rand(nb, kb, device="cuda") * 16 - 8) * (torch.randint(0, 2, (nb, kb), device="cuda") * 2 - 1)
         ref = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double()).float()
         ref_row = (a.float() @ b.float().t())
-        flops = 2 * M * N * K
-        rowwise = None
-        promoted = None  # the first output of a promoting block-scaled variant: the others must match its bits
-        for rnd in range(args.rounds):
-            for name in args.variants.split(","):
-                cls, tiles, block = VARIANTS[name]
-                _use(cls, tiles)
-                if block:
-                    fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, a_block=sa, b_block=sb)  # noqa: E731
-                else:
-                    fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16)  # noqa: E731
-                note = ""
-                try:
-                    poison = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    del poison
-                    out = fn()
-                    torch.cuda.synchronize()
-                except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others run
-                    print(dict(variant=name, shape=shape, error=f"{type(exc).__name__}: {str(exc)[:400]}"), flush=True)
-                    continue
-                want = ref if block else ref_row
-                err = ((out.float() - want).norm() / want.norm()).item()
-                if not err < 1e-2 or out.isnan().any():
-                    note = "WRONG"
-                if block and name in PROMOTING:
-                    if promoted is None:
-                        promoted = out.clone()
-                    elif not torch.equal(out, promoted):
-                        note += " bits differ from the other promoting variants"
-                if name in ROWWISE_256:  # the tile order changes no arithmetic
-                    if rowwise is None:
-                        rowwise = out.clone()
-                    elif not torch.equal(out, rowwise):
-                        note += " bits differ from the other rowwise 64x256-atom variants"
-                us = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
-                row = dict(variant=name, round=rnd, M=M, N=N, K=K, tile=f"{tiles[0]}x{tiles[1]}",
-                           block_scaled=block, rel_err=f"{err:.2e}", us=round(us, 1),
-                           tflops=round(flops / us / 1e6, 1), note=note.strip(), **info)
-                print(row, flush=True)
-                rows.append(row)
+        rows += time_variants(args.variants.split(","), VARIANTS, args.rounds, a, b, sa, sb, ref, ref_row,
+                              _family, info)
     _use(Base, (128, 128))
-    if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+    write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -207,10 +207,66 @@ def _use(kernel_class, tiles):
     csm.block_scaled_heuristics = lambda m, n=None, num_sms=132, _t=tiles: _t
 
 
-def compile_only(out_dir: str) -> int:
-    """sm_90a builds of every variant on this machine (no GPU): registers and spills."""
+def time_variants(names, variants, rounds, a, b, sa, sb, ref, ref_row, family_of, info) -> list:
+    """CSV rows: each variant in turn, ``rounds`` times, run once on a NaN-poisoned output, checked against the
+    float64 reference (``ref`` for block-scaled variants, ``ref_row`` for the others) and bit for bit against
+    the first output of its family (``family_of(name)``; None: no family), then timed in a CUDA graph."""
+    import triton.testing
+
+    M, N, K = a.shape[0], b.shape[0], a.shape[1]
+    rows, first = [], {}
+    for rnd in range(rounds):
+        for name in names:
+            cls, tiles, block = variants[name]
+            _use(cls, tiles)
+            if block:
+                fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, a_block=sa, b_block=sb)  # noqa: E731
+            else:
+                fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16)  # noqa: E731
+            note = ""
+            try:
+                # poison: the output is allocated in the block this NaN tensor frees (the caching
+                # allocator hands back the last freed block of the size), so an unwritten tile shows
+                poison = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+                del poison
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others run
+                print(dict(variant=name, shape=f"{M}x{N}x{K}", error=f"{type(exc).__name__}: {str(exc)[:400]}"),
+                      flush=True)
+                continue
+            want = ref if block else ref_row
+            err = ((out.float() - want).norm() / want.norm()).item()
+            if not err < 1e-2 or out.isnan().any():
+                note = "WRONG"
+            family = family_of(name)
+            if family is not None:
+                if family not in first:
+                    first[family] = out.clone()
+                elif not torch.equal(out, first[family]):
+                    note += " bits differ within family"
+            us = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
+            row = dict(variant=name, round=rnd, M=M, N=N, K=K, tile=f"{tiles[0]}x{tiles[1]}",
+                       block_scaled=block, rel_err=f"{err:.2e}", us=round(us, 1),
+                       tflops=round(2 * M * N * K / us / 1e6, 1), note=note.strip(), **info)
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def write_csv(path, rows) -> None:
+    if path and rows:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def compile_only(out_dir: str, variants=None) -> int:
+    """sm_90a builds of every variant (of ``variants``, default this probe's) on this machine (no GPU):
+    registers and spills."""
     failed = 0
-    for name, (cls, tiles, block) in VARIANTS.items():
+    for name, (cls, tiles, block) in (variants or VARIANTS).items():
         _use(cls, tiles)
         config = csm.KernelConfig("f8e4m3", "bf16", *tiles, block_scaled=block)
         try:
@@ -234,7 +290,6 @@ def main():
     if args.compile_only:
         sys.exit(compile_only(args.compile_only))
 
-    import triton.testing
     from bench_common import versions, warm_up_clocks
 
     warm_up_clocks()
@@ -250,48 +305,10 @@ def main():
         sb = torch.rand(nb, kb, device="cuda") + 0.5
         ref = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double()).float()
         ref_row = (a.float() @ b.float().t())
-        flops = 2 * M * N * K
-        first = {}  # arithmetic family -> its first output: the variants of one family give the same bits
-        for rnd in range(args.rounds):
-            for name in args.variants.split(","):
-                cls, tiles, block = VARIANTS[name]
-                _use(cls, tiles)
-                if block:
-                    fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16, a_block=sa, b_block=sb)  # noqa: E731
-                else:
-                    fn = lambda: csm.cute_scaled_mm(a, b, out_dtype=torch.bfloat16)  # noqa: E731
-                note = ""
-                try:
-                    # poison: the output is allocated in the block this NaN tensor frees (the caching
-                    # allocator hands back the last freed block of the size), so an unwritten tile shows
-                    poison = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    del poison
-                    out = fn()
-                    torch.cuda.synchronize()
-                except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others run
-                    print(dict(variant=name, shape=shape, error=f"{type(exc).__name__}: {str(exc)[:400]}"), flush=True)
-                    continue
-                want = ref if block else ref_row
-                err = ((out.float() - want).norm() / want.norm()).item()
-                if not err < 1e-2 or out.isnan().any():
-                    note = "WRONG"
-                family = (tiles, block)
-                if family not in first:
-                    first[family] = out.clone()
-                elif not torch.equal(out, first[family]):
-                    note += " bits differ within family"
-                us = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
-                row = dict(variant=name, round=rnd, M=M, N=N, K=K, tile=f"{tiles[0]}x{tiles[1]}",
-                           block_scaled=block, rel_err=f"{err:.2e}", us=round(us, 1),
-                           tflops=round(flops / us / 1e6, 1), note=note.strip(), **info)
-                print(row, flush=True)
-                rows.append(row)
+        rows += time_variants(args.variants.split(","), VARIANTS, args.rounds, a, b, sa, sb, ref, ref_row,
+                              lambda name: (VARIANTS[name][1], VARIANTS[name][2]), info)
     _use(Base, (128, 128))
-    if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+    write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -899,16 +899,26 @@ if _CUTLASS_ERROR is None:
                             self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)
                         else:
                             self._fold_quarter(acc, frags[(q - 1) % 2], q - 1, scales, 1, slots, slot_of)
-                for j in cutlass.range_constexpr(slots + 2):
-                    scales[0, j] = scales[1, j]
-                    scales[1, j] = scales[2, j]
+                self._shift_scales(scales)
                 self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(kb + 2, k_tiles - 1))
                 read_state.advance()
+            self._drain(ab_pipeline, release_state)
+            self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)  # the last block's last quarter
+            return read_state, release_state
+
+        @cute.jit
+        def _shift_scales(self, scales):
+            """Three blocks' scales, one block on: scales[0] = scales[1], scales[1] = scales[2]."""
+            for j in cutlass.range_constexpr(cute.size(scales, mode=[1])):
+                scales[0, j] = scales[1, j]
+                scales[1, j] = scales[2, j]
+
+        @cute.jit
+        def _drain(self, ab_pipeline, release_state):
+            """Wait for every WGMMA in flight, then release the stage the last of them read."""
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
-            self._fold_quarter(acc, frags[1], 3, scales, 0, slots, slot_of)  # the last block's last quarter
-            return read_state, release_state
 
         @cute.jit
         def _fold_quarter(self, acc, f, q, scales, buf, slots, slot_of):
