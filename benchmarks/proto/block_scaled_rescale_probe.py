@@ -34,10 +34,10 @@ TFLOP/s over two rounds at M = 4096 / 2048 (N = K = 7168), in benchmarks/results
   turn, one quarter folded while the next runs) 1073-1078 / 936-948 against the half loop's 1035-1037 /
   927-932 and 128x128's 942-944 / 952-955, the same bits as both; it went into the kernel.
 
-ptxas serializes every WGMMA of a kernel (info C7514) when ordinary instructions touch WGMMA registers while a
-group committed before a control-flow merge (the K loop's head) may still be in flight, even when every path
-leaves the same groups pending; so each pass of these loops is straight-line code that starts and ends with no
-WGMMA in flight, and each ``wait_group(1)`` follows the commit it leaves in flight.
+ptxas serialized every WGMMA of the kernel (info C7514) for a rescaled loop whose WGMMAs accumulate into the same
+registers across iterations of a dynamic K loop while multiplies touch them between ``wait_group(1)``s, and
+compiled it clean once every iteration ended with no WGMMA in flight; so each pass of these loops is straight-line
+code that starts and ends with none in flight, and each ``wait_group(1)`` follows the commit it leaves in flight.
 """
 from __future__ import annotations
 
@@ -59,9 +59,8 @@ import cutlass.cute as cute  # noqa: E402
 class Rescale(Base):
     """The 128x256 block-scaled loop with the accumulator rescaled per K block (module docstring).
 
-    ptxas serializes every WGMMA (C7514) when ordinary instructions touch accumulator registers while a WGMMA
-    group committed before a control-flow merge (the K loop's head) may still be in flight: it does not carry
-    which groups are pending across the merge. So each pass of the K loop handles ``unroll`` blocks in
+    ptxas serialized every WGMMA (C7514) while this loop's passes were iterations of the dynamic K loop with a
+    group in flight across its head (module docstring). So each pass of the K loop handles ``unroll`` blocks in
     straight-line code and ends with ``wait_group(0)``; inside it, block kb issues half 0, waits for half 1 of
     kb - 1 (``wait_group(1)``: the one group it leaves in flight was committed just before, in the same
     pass), rescales half 1 into block kb's units, issues half 1, waits for half 0 of kb and rescales half 0

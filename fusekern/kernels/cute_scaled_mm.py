@@ -50,8 +50,8 @@ Design
     fragments in turn, and one quarter is folded while the next one's WGMMAs run. Half the A bytes per FLOP
     of 128x128: on an H100 at M = 4096, N = K = 7168, 1073-1078 TFLOP/s against 942-944 for 128x128 in a
     CUDA graph (``benchmarks/proto/block_scaled_rescale_probe.py``,
-    ``benchmarks/results/h100/block_scaled_quarters_probe_6852fd7.csv``). ptxas needs its K loop in passes of
-    straight-line code (``_mainloop_block_scaled_quarters``).
+    ``benchmarks/results/h100/block_scaled_quarters_probe_6852fd7.csv``). Its K loop runs in passes of
+    straight-line code with no WGMMA in flight between them (``_mainloop_block_scaled_quarters``).
   M-tail rows and a one-row a_block both come from clamping the a_block row index to its last row, an
   N tail's b_block row likewise. The last K block may be partial: TMA zero-fills it.
 """
@@ -96,7 +96,7 @@ _AB_DTYPES = {torch.float8_e4m3fn: "f8e4m3", torch.bfloat16: "bf16", torch.float
 _OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _BIAS_DTYPES = _OUT_DTYPES
 _TILES = ((64, 64), (64, 128), (128, 128), (128, 256))
-_BLOCK_TILES = ((64, 128), (128, 128), (128, 256))  # block-scaled: 128-wide WGMMAs, one b_block scalar each
+_BLOCK_TILES = ((64, 128), (128, 128), (128, 256))  # block-scaled: WGMMAs of at most 128 columns (``_atom_n``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +148,9 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 WIDE_BLOCK_TILE_COST = 1.76
 
 # K blocks per pass of the 128x256 block-scaled loop's straight-line code (``_quarter_blocks``): it drains the
-# warpgroup's WGMMA queue once per pass. One or two per pass ran within 1% of four in the same kind of loop
-# (benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv).
+# warpgroup's WGMMA queue once per pass. In the probe's rescaled loop (same passes), one or two per pass ran
+# 0.5-1.3% slower than four (benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv); the quarter loop
+# was timed at four only.
 BLOCKS_PER_PASS = 4
 
 
@@ -831,16 +832,18 @@ if _CUTLASS_ERROR is None:
             two 32-register fragments in turn (``frag_pair``: the 64 registers a 128-column fragment takes),
             and while quarter q's WGMMAs run, quarter q - 1's fragment is folded into the sum,
             ``acc[quarter] += fragment * a_block[row, kb] * b_block[2 * tile[1] + quarter // 2, kb]``
-            (``wait_group(1)``), so this warpgroup's tensor-core queue is never empty. The same fold, and so the
-            same bits, as the 128x128 loop.
+            (``wait_group(1)``), so within a pass this warpgroup's tensor-core queue is never empty. The same
+            fold, and so the same bits, as the 128x128 loop.
 
-            ptxas serializes every WGMMA of the kernel (info C7514) when ordinary instructions touch WGMMA
-            registers while a group committed before a control-flow merge (the K loop's head) may still be in
-            flight: it does not carry which groups are pending across the merge. So the K blocks go
-            ``BLOCKS_PER_PASS`` at a time through straight-line code (``_quarter_blocks``) that starts and ends
-            with no WGMMA in flight; within it, each ``wait_group(1)`` follows the commit it leaves in flight.
-            H100, M = 4096, N = K = 7168: 1073-1078 TFLOP/s against 1035-1037 for the previous loop (a half's
-            WGMMAs, a wait for them, its fold; benchmarks/proto/block_scaled_rescale_probe.py).
+            The K blocks go ``BLOCKS_PER_PASS`` at a time through straight-line code (``_quarter_blocks``) that
+            starts and ends with no WGMMA in flight; within it each ``wait_group(1)`` follows the commit it
+            leaves in flight. That is the structure seen to keep the WGMMAs asynchronous: ptxas serialized every
+            WGMMA of the kernel (info C7514) for a loop whose WGMMAs accumulate into the same registers across
+            iterations while ordinary instructions touch them between waits, and compiled it clean once each
+            iteration ended with none in flight (benchmarks/proto/block_scaled_rescale_probe.py). The 128x128
+            loop, whose fragments start afresh every K block, compiles clean without passes; whether this loop
+            would too was not tried. H100, M = 4096, N = K = 7168: 1073-1078 TFLOP/s against 1035-1037 for the
+            previous loop (a half's WGMMAs, a wait for them, its fold).
             """
             read_state.reset_count()
             release_state.reset_count()
