@@ -840,10 +840,12 @@ if _CUTLASS_ERROR is None:
             leaves in flight. That is the structure seen to keep the WGMMAs asynchronous: ptxas serialized every
             WGMMA of the kernel (info C7514) for a loop whose WGMMAs accumulate into the same registers across
             iterations while ordinary instructions touch them between waits, and compiled it clean once each
-            iteration ended with none in flight (benchmarks/proto/block_scaled_rescale_probe.py). The 128x128
-            loop, whose fragments start afresh every K block, compiles clean without passes; whether this loop
-            would too was not tried. H100, M = 4096, N = K = 7168: 1073-1078 TFLOP/s against 1035-1037 for the
-            previous loop (a half's WGMMAs, a wait for them, its fold).
+            iteration ended with none in flight (benchmarks/proto/block_scaled_rescale_probe.py). This loop
+            needs the passes too: built with one K block per iteration of a dynamic loop and a quarter's group
+            in flight across the loop head, it was serialized the same way (sm_90a build, C7514), though the
+            128x128 loop, whose fragments also start afresh every K block, compiles clean so. H100, M = 4096,
+            N = K = 7168: 1073-1078 TFLOP/s against 1035-1037 for the previous loop (a half's WGMMAs, a wait for
+            them, its fold).
             """
             read_state.reset_count()
             release_state.reset_count()
