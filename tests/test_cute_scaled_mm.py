@@ -47,6 +47,7 @@ def test_aot_compile_sm90a_builds_every_shipped_config(tmp_path):
             assert build["stack"] == 0 and build["local"] == 0, build
         if "spill_stores" in build:
             assert build["spill_stores"] == 0 and build["spill_loads"] == 0, build
+            assert not build["wgmma_serialized"], build["name"]  # ptxas kept the WGMMAs asynchronous
         # the launch writes its arguments straight into the slots the compiled function reads
         assert build["fast_args"], build["name"]
 
@@ -503,17 +504,33 @@ def wide_block_tiles(monkeypatch):
     csm._PLANS.clear()
 
 
+# The compile, plan and marshal caches of the wide loop built at four K blocks per pass, kept across tests.
+_PASS4_CACHES = ({}, {}, {})
+
+
+@pytest.fixture(params=[None, 4], ids=["shipped_pass", "pass4"])
+def blocks_per_pass(request, monkeypatch):
+    """The wide loop as shipped, and built at four K blocks per pass (its timed form; the shipped one passes
+    one at a time, see ``BLOCKS_PER_PASS``): another build of the same KernelConfig, so it gets caches of its own."""
+    if request.param is not None and request.param != csm.BLOCKS_PER_PASS:
+        monkeypatch.setattr(csm, "BLOCKS_PER_PASS", request.param)
+        for name, cache in zip(("_COMPILED", "_PLANS", "_MARSHALS"), _PASS4_CACHES):
+            monkeypatch.setattr(csm, name, cache)
+        csm._PLANS.clear()  # plans are keyed without the tile: an earlier test's 128x128 plan must not serve
+    yield
+
+
 @pytest.mark.gpu
 # N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008, 1136,
-# 512 and 848: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks, which the wide loop takes four to a pass
-# and the rest one at a time; M = 1, 777 and 129: M tails of a 128-row tile.
+# 512 and 848: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks (with four K blocks to a pass: no full pass,
+# two, two and one block, one, one and three blocks); M = 1, 777 and 129: M tails of a 128-row tile.
 @pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512),
                                    (129, 640, 848)], ids=lambda v: str(v))
 @pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])
 @pytest.mark.parametrize("epilogue", [(False, False, None), (True, True, torch.float32)],
                          ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
-def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block_tiles, monkeypatch, m, n, k,
-                                                                      one_row_a, epilogue):
+def test_block_scaled_wide_tile_matches_reference_and_the_narrow_tile(wide_block_tiles, blocks_per_pass,
+                                                                      monkeypatch, m, n, k, one_row_a, epilogue):
     a, b, kwargs, out = _check_block(m, n, k, one_row_a, *epilogue)
     assert {plan[0].tile_n for plan in csm._PLANS.values()} == {256}
     # The same arithmetic as the 128x128 tile (a fresh WGMMA sum per K block, 128 columns wide there and 64 in

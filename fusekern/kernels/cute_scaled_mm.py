@@ -148,10 +148,13 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 WIDE_BLOCK_TILE_COST = 1.76
 
 # K blocks per pass of the 128x256 block-scaled loop's straight-line code (``_quarter_blocks``): it drains the
-# warpgroup's WGMMA queue once per pass. In the probe's rescaled loop (same passes), one or two per pass ran
-# 0.5-1.3% slower than four (benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv); the quarter loop
-# was timed at four only.
-BLOCKS_PER_PASS = 4
+# warpgroup's WGMMA queue once per pass. The quarter loop was timed at four per pass (1073-1078 TFLOP/s on an H100);
+# one per pass is not timed (in the probe's rescaled loop, with the same passes, it ran 0.9-1.3% slower than four:
+# benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv). It is one because CUDA 13.4's ptxas (Triton
+# 3.9's, what CI reads spills with) spills at two, three and four per pass: 8 bytes for the f16 / f32-bias /
+# row / col specialization at four, 24 for the plain one at two; CUDA 12.9's spills at none. The device's DSL
+# compiles with CUDA 13 libraries. Every pass count gives the same bits (GPU-tested at one and four).
+BLOCKS_PER_PASS = 1
 
 
 def block_scaled_heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
@@ -1424,6 +1427,9 @@ def read_resources(cubin: str, ptx: Optional[str] = None) -> dict:
         loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", result.stderr)]
         if stores or loads:
             info.update(spill_stores=sum(stores), spill_loads=sum(loads))
+            # info C7514: ptxas made every WGMMA wait for the previous one (ordinary instructions touch WGMMA
+            # registers where it cannot prove the WGMMAs writing them are done)
+            info.update(wgmma_serialized="C7514" in result.stderr)
     return info
 
 
