@@ -412,6 +412,7 @@ if _CUTLASS_ERROR is None:
         """One specialization of the warp-specialized persistent scaled GEMM (see module docstring)."""
 
         threads_per_warpgroup = 128
+        blocks_per_pass: Optional[int] = None  # K blocks per pass of the 128x256 block-scaled loop; None: BLOCKS_PER_PASS
         producer_registers = 40  # the TMA warpgroup only computes addresses
         consumer_registers = 232  # 2 x 128 x 232 + 128 x 40 <= 64K registers per SM
         smem_bytes = 232448 - 1024  # sm_90 opt-in shared memory, less the mbarrier area
@@ -450,6 +451,10 @@ if _CUTLASS_ERROR is None:
             self.a_smem_staged = self._staged_smem_layout((cfg.tile_m, tile_k), self.ab_dtype, self.ab_stage)
             self.b_smem_staged = self._staged_smem_layout((cfg.tile_n, tile_k), self.ab_dtype, self.ab_stage)
             self.epi_smem_staged = self._staged_smem_layout(self.epi_tile, self.out_dtype, self.epi_stage)
+
+        def _blocks_per_pass(self) -> int:
+            """K blocks per pass of the 128x256 block-scaled loop (a trace-time constant)."""
+            return self.blocks_per_pass if self.blocks_per_pass is not None else BLOCKS_PER_PASS
 
         def _atom_n(self) -> int:
             """N of one WGMMA. The whole tile for plain tiles; block-scaled tiles use WGMMAs at most 128 wide
@@ -867,12 +872,13 @@ if _CUTLASS_ERROR is None:
             self._load_scales(scales, 2, mSA, mSB, sa_rows, sb_rows, cutlass.min(1, k_tiles - 1))
             frags = (cute.append_ones(frag_pair[(None, None, 0)], 3), cute.append_ones(frag_pair[(None, None, 1)], 3))
             acc.fill(0.0)
-            passes = k_tiles // BLOCKS_PER_PASS
+            per_pass = self._blocks_per_pass()
+            passes = k_tiles // per_pass
             for p in range(passes):
                 read_state, release_state = self._quarter_blocks(
                     ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
-                    sa_rows, sb_rows, k_tiles, p * BLOCKS_PER_PASS, BLOCKS_PER_PASS, read_state, release_state)
-            for kb in range(passes * BLOCKS_PER_PASS, k_tiles):
+                    sa_rows, sb_rows, k_tiles, p * per_pass, per_pass, read_state, release_state)
+            for kb in range(passes * per_pass, k_tiles):
                 read_state, release_state = self._quarter_blocks(
                     ab_pipeline, tiled_mma, tCrA, tCrB, acc, frags, scales, slot_of, slots, mSA, mSB,
                     sa_rows, sb_rows, k_tiles, kb, 1, read_state, release_state)
