@@ -1,6 +1,7 @@
 """Every kernel fusekern ships, in every default config, as something that can be compiled for sm_90a.
 
-Each kernel module lists its builds in ``aot_builds()``; ``all_builds()`` collects them. The register
+Each kernel module lists its builds in ``aot_builds()`` (``TritonBuild`` or ``CuteBuild``); ``all_builds()``
+collects them. The register
 report (``python -m fusekern.kernels.report``) and the CI tests compile these on a machine without a GPU,
 so a config that spills or stops compiling for Hopper is caught before anyone runs it.
 """
@@ -17,7 +18,8 @@ KERNEL_MODULES = ("fusekern.kernels.w8a16_linear", "fusekern.kernels.sampler", "
                   "fusekern.kernels.packed_mm", "fusekern.kernels.packed_gemv_group", "fusekern.kernels.int4_mma",
                   "fusekern.kernels.int4_mma_n", "fusekern.kernels.int4_mma_sync", "fusekern.kernels.fp4_mma",
                   "fusekern.kernels.fp4_mma_sync", "fusekern.kernels.fp8_mma", "fusekern.kernels.masked_argmax", "fusekern.kernels.scaled_mm",
-                  "fusekern.kernels.fp8_kv_attention", "fusekern.kernels.decode_attention")
+                  "fusekern.kernels.fp8_kv_attention", "fusekern.kernels.decode_attention",
+                  "fusekern.kernels.cute_scaled_mm")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,32 @@ class TritonBuild:
         return resources(self.compile(mode))
 
 
-def all_builds() -> list[TritonBuild]:
+@dataclass(frozen=True)
+class CuteBuild:
+    """One CuTe DSL kernel specialization (``cute_scaled_mm.KernelConfig``): no rematerialization modes; its
+    registers are ptxas's allocation for the whole kernel (``setmaxnreg`` then moves registers from the producer
+    warpgroup to the consumers at run time), its shared memory the static part plus the pipeline's buffers."""
+
+    kernel: str
+    config: str
+    cute_config: Any
+    remat: str | None = None
+    modes: tuple = (None,)
+
+    def resources(self, mode: str | None = None):
+        import tempfile
+
+        from fusekern.kernels.aot import Resources
+        from fusekern.kernels.cute_scaled_mm import aot_compile_sm90a
+
+        with tempfile.TemporaryDirectory() as out:
+            (build,) = aot_compile_sm90a(out, [self.cute_config])
+        return Resources(registers=build["registers"], stack=build["stack"], spill_stores=build["spill_stores"],
+                         spill_loads=build["spill_loads"], shared=build["shared"] + build["dynamic_shared"],
+                         threads=build["threads"])
+
+
+def all_builds() -> list:
     builds = []
     for name in KERNEL_MODULES:
         builds.extend(importlib.import_module(name).aot_builds())

@@ -1120,10 +1120,15 @@ def _fake_arguments(config: KernelConfig, distinct: bool = False):
 
 
 def _compile(config: KernelConfig, options: Optional[str] = None):
+    return _compile_kernel(config, options)[0]
+
+
+def _compile_kernel(config: KernelConfig, options: Optional[str] = None):
+    """(compiled function, the traced kernel object: its launch facts, e.g. the shared-memory layout)."""
     kernel = _ScaledMmKernel(config)
     if options is None:
-        return cute.compile(kernel, *_fake_arguments(config))
-    return cute.compile(kernel, *_fake_arguments(config), options=options)
+        return cute.compile(kernel, *_fake_arguments(config)), kernel
+    return cute.compile(kernel, *_fake_arguments(config), options=options), kernel
 
 
 def compiled_kernel(config: KernelConfig):
@@ -1439,6 +1444,16 @@ def read_resources(cubin: str, ptx: Optional[str] = None) -> dict:
     return info
 
 
+def aot_builds() -> list:
+    """The shipped specializations as register-report entries (``fusekern.kernels.catalog``); none without
+    the CuTe DSL."""
+    from fusekern.kernels.catalog import CuteBuild
+
+    if _CUTLASS_ERROR is not None:
+        return []
+    return [CuteBuild(kernel="cute_scaled_mm", config=c.name, cute_config=c) for c in shipped_configs()]
+
+
 def aot_compile_sm90a(out_dir: str, configs: Optional[list[KernelConfig]] = None) -> list[dict]:
     """Build every shipped specialization for sm_90a (no GPU needed) into ``out_dir``.
 
@@ -1451,14 +1466,15 @@ def aot_compile_sm90a(out_dir: str, configs: Optional[list[KernelConfig]] = None
     for config in configs or shipped_configs():
         build_dir = os.path.abspath(os.path.join(out_dir, config.name))
         os.makedirs(build_dir, exist_ok=True)  # the DSL does not create its dump directory
-        fn = _compile(config, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={build_dir}")
+        fn, kernel = _compile_kernel(config, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={build_dir}")
         cubins = [os.path.join(build_dir, f) for f in sorted(os.listdir(build_dir)) if f.endswith(".cubin")]
         ptxs = [os.path.join(build_dir, f) for f in sorted(os.listdir(build_dir)) if f.endswith(".ptx")]
         fast_args = _Marshal.learn(fn, config) is not None
         del fn
         entry = {"name": config.name, "config": dataclasses.asdict(config),
                  "cubin": cubins[0] if cubins else None, "ptx": ptxs[0] if ptxs else None,
-                 "fast_args": fast_args}
+                 "fast_args": fast_args, "threads": kernel.num_threads,
+                 "dynamic_shared": kernel.shared_storage.size_in_bytes()}
         if entry["cubin"]:
             entry.update(read_resources(entry["cubin"], entry["ptx"]))
         results.append(entry)
