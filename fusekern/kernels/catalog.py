@@ -58,9 +58,10 @@ class TritonBuild:
 
 @dataclass(frozen=True)
 class CuteBuild:
-    """One CuTe DSL kernel specialization (``cute_scaled_mm.KernelConfig``): no rematerialization modes; its
-    registers are ptxas's allocation for the whole kernel (``setmaxnreg`` then moves registers from the producer
-    warpgroup to the consumers at run time), its shared memory the static part plus the pipeline's buffers."""
+    """One CuTe DSL kernel specialization (``cute_scaled_mm.KernelConfig``): no rematerialization modes. Registers,
+    stack and static shared memory are read from the cubin the DSL built (``setmaxnreg`` then moves registers
+    from the producer warpgroup to the consumers at run time); spill bytes from Triton's ptxas assembling the
+    same PTX; shared memory is the static part plus the pipeline's buffers."""
 
     kernel: str
     config: str
@@ -76,6 +77,9 @@ class CuteBuild:
 
         with tempfile.TemporaryDirectory() as out:
             (build,) = aot_compile_sm90a(out, [self.cute_config])
+        missing = [k for k in ("registers", "stack", "shared", "spill_stores", "spill_loads") if k not in build]
+        if missing:  # cuobjdump or ptxas (Triton's) missing or unreadable
+            raise RuntimeError(f"{self.kernel} {self.config}: could not read {missing} from its sm_90a build")
         return Resources(registers=build["registers"], stack=build["stack"], spill_stores=build["spill_stores"],
                          spill_loads=build["spill_loads"], shared=build["shared"] + build["dynamic_shared"],
                          threads=build["threads"])
