@@ -57,7 +57,8 @@ class Base24(Base):
 class Multicast:
     """A 1 x 2 cluster: two CTAs on neighbouring N tiles of the same rows share A. Each loads half of
     the A tile and multicasts it to both (TMA multicast), so A's L2 reads halve; B is loaded per CTA.
-    Mixed in before a kernel class (overrides the launch, the kernel's set-up, the pipeline and the producer)."""
+    Mixed in before a kernel class: overrides the launch and the producer; the kernel's own body and
+    pipeline read ``cluster_n``."""
 
     cluster_n = 2
 
@@ -94,50 +95,6 @@ class Multicast:
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(1, self.cluster_n, 1),
                  min_blocks_per_mp=1, stream=stream)
-
-    @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, mRow, mCol, mBias, mRes, mSA, mSB,
-               tiled_mma: cute.TiledMma, sched_params: csm.utils.PersistentTileSchedulerParams,
-               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-               epi_smem_staged: cute.ComposedLayout):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warpgroup = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ab_pipeline = self._make_ab_pipeline(storage.ab_barriers.data_ptr(), a_smem_staged, b_smem_staged)
-        csm.pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-        csm.pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
-        if warpgroup == 0:
-            cute.arch.setmaxregister_decrease(self.producer_registers)
-            if warp_idx == 0:
-                self._produce(ab_pipeline, tma_a, mA, tma_b, mB, sA, sB, sched_params)
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_registers)
-            self._consume(ab_pipeline, tiled_mma, sA, sB, sD, mA, tma_d, mD_tma, mD,
-                          mRow, mCol, mBias, mRes, mSA, mSB, sched_params, tidx, warp_idx)
-
-    def _make_ab_pipeline(self, barrier_ptr, a_smem_staged, b_smem_staged):
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-        tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-        # a stage is refilled once the consumers of both CTAs (which both receive this CTA's A half) release it
-        return csm.pipeline.PipelineTmaAsync.create(
-            barrier_storage=barrier_ptr,
-            num_stages=self.ab_stage,
-            producer_group=csm.pipeline.CooperativeGroup(csm.pipeline.Agent.Thread),
-            consumer_group=csm.pipeline.CooperativeGroup(csm.pipeline.Agent.Thread,
-                                                         self.cluster_n * self.num_consumers * 4),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
-            defer_sync=True,
-        )
 
     @cute.jit
     def _produce(self, ab_pipeline, tma_a, mA, tma_b, mB, sA, sB, sched_params):

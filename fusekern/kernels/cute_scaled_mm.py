@@ -415,6 +415,7 @@ if _CUTLASS_ERROR is None:
         blocks_per_pass: Optional[int] = None  # K blocks per pass of the 128x256 block-scaled loop; None: BLOCKS_PER_PASS
         producer_registers = 40  # the TMA warpgroup only computes addresses
         consumer_registers = 232  # 2 x 128 x 232 + 128 x 40 <= 64K registers per SM
+        cluster_n = 1  # CTAs of a cluster along N that share the A tile (a probe's multicast mixin sets 2)
         smem_bytes = 232448 - 1024  # sm_90 opt-in shared memory, less the mbarrier area
 
         def __init__(self, config: KernelConfig):
@@ -600,11 +601,11 @@ if _CUTLASS_ERROR is None:
 
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             ab_pipeline = self._make_ab_pipeline(storage.ab_barriers.data_ptr(), a_smem_staged, b_smem_staged)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
             sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
             if warpgroup == 0:
                 cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -623,9 +624,11 @@ if _CUTLASS_ERROR is None:
                 barrier_storage=barrier_ptr,
                 num_stages=self.ab_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4),
+                # a stage is refilled once the consumers of every CTA of the cluster (all receive its A) release it
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.cluster_n * self.num_consumers * 4),
                 tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
                 defer_sync=True,
             )
 
