@@ -6,17 +6,20 @@ tolerance. CPU: the Triton interpreter on small shapes with column tails, split 
 partials) and none, two and three members; members that cannot share a launch (another layout's
 strides, a global scale) are refused. GPU: the decoder's q / k / v shapes.
 """
+import dataclasses
 import functools
 
 import pytest
 import torch
 
+from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
 from fusekern.patterns.decode.formats import recognize
 from fusekern.patterns.decode.layout import derive_layout
 from fusekern.patterns.decode.program import DecodeProgram
+from fusekern.kernels.intmath import next_power_of_2
 from fusekern.testing import rel_err
 from fusekern.testing.decode_cones import decode_program
 from fusekern.testing.decode_zoo import BY_NAME
@@ -85,6 +88,27 @@ def test_int4_mma_sync_group_needs_one_program():
     made = [member("gptq", 256, n, x, seed) for seed, n in enumerate((64, 32))]
     assert ims.int4_mma_sync_group(x, [m[0] for m in made], made[0][1], 256, [64, 32],
                                    ims.Int4MmaSync(SPLIT_K=1)) is None
+
+
+@pytest.mark.parametrize("K,Ns,M,cfg", [(512, (64, 32, 40), 3, im.Int4Mma(64, 2, 4)),
+                                        (384, (96, 136), 17, im.Int4Mma(128, 1, 4, scale_first=True)),
+                                        (384, (128, 64), 40, im.Int4Mma(64, 3, 4))],
+                         ids=["three_tails_split", "two_tails_32_rows_scale_first", "whole_tiles_64_rows"])
+def test_int4_mma_group_matches_each_launch(K, Ns, M, cfg):
+    """``int4_mma``'s grouped launch (9-64 rows: x padded to 16, 32 or 64): each member's output is its own
+    launch's, bit for bit, split K partials NaN-poisoned."""
+    _check("int4_k_stack", K, list(Ns), M, cfg)
+
+
+def test_int4_mma_group_refuses_tma_and_per_member_strides():
+    """A TMA config (one descriptor per weight) and GPTQ's [K/8, N] words (strides that depend on N): None,
+    and the members run alone."""
+    x = torch.randn(16, 256, dtype=torch.bfloat16, device=DEVICE)
+    ks = [member("int4_k_stack", 256, n, x, seed) for seed, n in enumerate((64, 32))]
+    assert im.int4_mma_group(x, [m[0] for m in ks], ks[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4, tma=True,
+                                                                                        num_stages=3)) is None
+    gptq = [member("gptq", 256, n, x, seed) for seed, n in enumerate((64, 32))]
+    assert im.int4_mma_group(x, [m[0] for m in gptq], gptq[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4)) is None
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
@@ -177,6 +201,23 @@ def test_members_that_cannot_share_a_launch_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [16, 33])
+@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
+def test_gpu_int4_mma_group_every_config_the_tuner_may_pick(Ns, M):
+    """At 16 and 33 rows (x padded to 16 and 64), every ``int4_mma`` config the dispatcher offers for the summed
+    width gives each member its own launch's output."""
+    from fusekern.kernels import decode_mm_group as dmg
+    from fusekern.kernels.device_info import sm_count
+
+    lay = member("int4_k_stack", 4096, Ns[0], torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE), 0)[1]
+    cfgs = [c for c in dmg.group_candidates(next_power_of_2(M), sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
+            if isinstance(c, im.Int4Mma)]
+    assert cfgs and not any(c.tma for c in cfgs)
+    for cfg in cfgs:
+        _check("int4_k_stack", 4096, list(Ns), M, cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "fp8_channel"])
 @pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
 def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
@@ -211,3 +252,10 @@ def test_group_candidates_are_the_dispatchers_gemv_configs():
         == sync
     assert not any(isinstance(c, ims.Int4MmaSync) for c in dmg.group_candidates(1, 28672, 4096, 132, int4,
                                                                                  torch.float16))
+    # and int4_mma's up to 64 rows, its TMA configs as the same tiles loading the words directly
+    mma = [c for c in dm._packed_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)]
+    assert any(c.tma for c in mma) and any(not c.tma for c in mma)
+    grouped = [c for c in dmg.group_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)]
+    assert grouped == list(dict.fromkeys(dataclasses.replace(c, tma=False, num_stages=1) for c in mma))
+    assert not any(isinstance(c, im.Int4Mma) for c in dmg.group_candidates(16, 28672, 4096, 132, int4,
+                                                                           torch.float16))

@@ -468,6 +468,27 @@ def test_grouped_op_records_and_replays_int4_mma_sync(interpreted, monkeypatch):
         assert g.shape == (3, n) and torch.equal(g, ims.int4_mma_sync(x2, m, lay, 256, n, cfg))
         assert not torch.equal(g, f)
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_grouped_op_records_and_replays_int4_mma(interpreted, monkeypatch, split_k):
+    """The same with ``int4_mma``'s grouped launch (17 rows: x padded to 32), with and without a split."""
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cfg = im.Int4Mma(64, split_k, 4)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
+    x = torch.randn(17, 256, dtype=torch.bfloat16)
+    layout = _program("int4_k_stack", 256, 64, x)[2]
+    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
+    flat = [t for m in members for t in m]
+    first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
+    monkeypatch.setattr(dmg.im, "int4_mma_group", lambda *a, **k: pytest.fail("not replayed"))
+    monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: pytest.fail("not the GEMV"))
+    x2 = torch.randn(17, 256, dtype=torch.bfloat16)
+    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
+    lay = dmg.PackedLayout.from_text(layout)
+    for g, f, m, n in zip(got, first, members, (64, 40, 24)):
+        assert g.shape == (17, n) and torch.equal(g, im.int4_mma(x2, m, lay, 256, n, cfg))
+        assert not torch.equal(g, f)
+
 # ----------------------------------------------------------------------------- GPU: replays compute the same
 
 

@@ -2,8 +2,8 @@
 
 ``decode_mm_group(x, leaves, programs, layout)`` returns ``[decode_mm(x, leaves_i, programs[i], None,
 layout) for each member]`` (leaves: every member's leaves, in member order). On CUDA, for a few rows, the
-members' GEMVs can run as one launch (``packed_gemv_group``; for int4 along K and up to 8 bf16 rows also
-``int4_mma_sync_group``): the first call of a shape times the grouped configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
+members' GEMVs can run as one launch (``packed_gemv_group``; for int4 along K and bf16 rows also
+``int4_mma_sync_group`` up to 8 rows and ``int4_mma_group`` up to 64): the first call of a shape times the grouped configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
 kernel) and keeps the fastest whose outputs agree with the members' own; a shape where grouping loses,
 or that cannot be grouped, runs the members one by one. Elsewhere (CPU, more rows) the members run one
 by one: the op never computes anything ``decode_mm`` would not.
@@ -17,6 +17,7 @@ import torch
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
 from fusekern.kernels import packed_mm as pm
@@ -63,25 +64,34 @@ def _groupable(x, members, progs, layout) -> bool:
                for t, leaf in zip(leaves, p.leaves))
 
 
-_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv, an Int4MmaSync or SEPARATE
+_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv, an Int4MmaSync, an Int4Mma or SEPARATE
 
 
 def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=torch.bfloat16) -> list:
-    """The GEMV and ``int4_mma_sync`` configs the dispatcher offers for the summed width (GEMVs reading K in
-    vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``)."""
-    return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype)
-            if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync))]
+    """The GEMV, ``int4_mma_sync`` and ``int4_mma`` configs the dispatcher offers for the summed width (GEMVs
+    reading K in vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``;
+    ``int4_mma``'s TMA configs as the same tiles with the words loaded directly: one descriptor cannot cover
+    several weights)."""
+    out = []
+    for c in dm._packed_candidates(M, N, K, sms, lay, dtype):
+        if isinstance(c, im.Int4Mma) and c.tma:
+            c = dataclasses.replace(c, tma=False, num_stages=1)
+        if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync, im.Int4Mma)) and c not in out:
+            out.append(c)
+    return out
 
 
 def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, workspace=None, record=None):
     """The members' outputs from one launch of ``cfg``'s kernel, or None where they cannot share one."""
     if isinstance(cfg, ims.Int4MmaSync):
         return ims.int4_mma_sync_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
+    if isinstance(cfg, im.Int4Mma):
+        return im.int4_mma_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
     return pg.gemv_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
 
 
 def tuned_choice(x, members, programs, layout):
-    """A grouped launch's config (GEMV or ``int4_mma_sync``), or SEPARATE: measured on the first call of a
+    """A grouped launch's config (GEMV, ``int4_mma_sync`` or ``int4_mma``), or SEPARATE: measured on the first call of a
     shape (see the module doc)."""
     progs = [DecodeProgram.from_text(t) for t in programs]
     if not _groupable(x, members, progs, layout):

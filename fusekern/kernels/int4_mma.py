@@ -26,6 +26,10 @@ Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slowe
   tile (split order: deterministic), as the GEMV does.
 - Optionally (``tma=True``) the words come through a TMA descriptor, pipelined num_stages deep through
   shared memory, and each group's scale and zero are loaded one tile ahead.
+Two or three weights that multiply the same x (a decoder's q / k / v, gate / up) can share one launch
+(``int4_mma_group``: the members' column tiles in one grid, as ``packed_gemv_group`` does; the words loaded
+directly, since one TMA descriptor cannot cover several weights): at 9-64 rows ``int4_mma_sync_group`` no
+longer applies and small members (k / v) leave most of the GPU idle in their own launches.
 H200, GPTQ, N = K = 8192 (`benchmarks/results/h200/gptq_mma.csv`): 16.1 us at M = 1 (GEMV 17.1) and 17.4 at
 M = 16 (the swap-AB ``packed_dot`` tile 574); with TMA words 15.7 and 16.6, and two codes per byte 18.6 and
 19.2 against 22.4 and 24.3 direct (`int4_mma_tma_sweep.csv`). The dispatcher times every kernel per shape
@@ -239,17 +243,59 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     SSK: tl.constexpr, SSN: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr = 0,
                     SCALE_FIRST: tl.constexpr = False, BLOCK_M: tl.constexpr = 16):
-    """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups). Strides in elements of
-    each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape.
+    """One column tile [BLOCK_N] of out^T over one K slice (whole 128-row groups): ``mma_program``."""
+    mma_program(tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                q_desc, M, N, N % BLOCK_N == 0, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, HAS_BIAS, BLOCK_N,
+                SPLIT_K, ASM, TMA, SCALE_FIRST, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["M", "N", "T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1",
+                               "DO2", "DW1", "DW2"])  # (offsets between allocations change per weight)
+def int4_mma_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+                          T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1, DW2,
+                          K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
+                          ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
+                          SSK: tl.constexpr, SSN: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                          ASM: tl.constexpr, EVEN_N: tl.constexpr, SCALE_FIRST: tl.constexpr = False,
+                          BLOCK_M: tl.constexpr = 16):
+    """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
+    owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
+    D*2 the element offsets of members 1 and 2's words, scales, zeros, outputs ([M, N_i]) and split-K
+    partials from member 0's. A member's split-K counters follow the previous member's. EVEN_N: every
+    member's width is a multiple of BLOCK_N."""
+    pid = tl.program_id(0)
+    in1 = pid >= T1
+    in2 = pid >= T2
+    first = _pick(in1, in2, 0, T1, T2)  # the member's first column tile
+    mma_program(pid - first, tl.program_id(1), x_ptr, q_ptr + _pick(in1, in2, 0, DQ1, DQ2),
+                z_ptr + _pick(in1, in2, 0, DZ1, DZ2), s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr,
+                out_ptr + _pick(in1, in2, 0, DO1, DO2), ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr + first,
+                None, M, _pick(in1, in2, N, N1, N2), EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False,
+                BLOCK_N, SPLIT_K, ASM, 0, SCALE_FIRST, BLOCK_M)
+
+
+@triton.jit
+def _pick(in1, in2, v0, v1, v2):
+    """v0, v1 or v2 for a program of member 0, 1 or 2."""
+    return tl.where(in2, v2, tl.where(in1, v1, v0))
+
+
+@triton.jit
+def mma_program(pid_n, pid_k, x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, M, N,
+                EVEN_N: tl.constexpr, K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr, ZMODE: tl.constexpr,
+                C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr, SSK: tl.constexpr, SSN: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+                TMA: tl.constexpr, SCALE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Column tile pid_n [BLOCK_N] of out^T over K slice pid_k (whole 128-row groups). Strides in elements of
+    each leaf (the codes' in 32-bit words), compile-time constants: contiguous leaves of a fixed shape. N: a
+    constant (one weight) or a member's width (a group's launch); EVEN_N: N is a multiple of BLOCK_N.
     TMA: the words come through ``q_desc`` (TMA_KN: GPTQ's [K/8, N]; TMA_NK: [N, K/8]), which Triton pipelines
     through shared memory num_stages deep; the load from shared memory lands in the layout the decode
     needs. Without it each tile's words are waited for a full memory latency."""
     BKW: tl.constexpr = _GROUP // 8  # words per column per tile
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    if N % BLOCK_N == 0:
+    if EVEN_N:
         ln = offs_n
     else:
         ln = tl.minimum(offs_n, N - 1)  # columns past N read column N - 1 (in bounds) and are not stored
@@ -295,7 +341,7 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
 
 
 @triton.jit
-def store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N: tl.constexpr,
+def store_transposed(acc, out_ptr, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, offs_m, offs_n, mmask, nmask, M, N,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
     """out^T: out[m, n] = acc[n, m] of a swap-AB tile (columns offs_n, rows offs_m), plus bias, rounded; split
     over K: the tile's last program sums the partials (``split_k``; also ``fp4_mma``'s epilogue). (Offsets
@@ -406,6 +452,51 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     return out
 
 
+def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4Mma,
+                   workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
+    """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
+    they cannot share one: a TMA config (each member's words would need their own descriptor), another
+    stride or constant between members (GPTQ's ``[K/8, N]`` words: their strides are N), leaves not a whole
+    number of elements apart. Each output is the member's own ``int4_mma`` launch's with the same config,
+    bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called
+    with a replay of this call (a contiguous x, no workspace given)."""
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
+
+    if cfg.tma or not 2 <= len(members) <= MAX_MEMBERS:
+        return None
+    for leaves, N in zip(members, Ns):
+        check(x, leaves, lay, K, N, cfg)
+    consts = [dict(_constexprs(lay, K, N)) for N in Ns]
+    for c in consts:
+        c.pop("N")
+    if any(c != consts[0] for c in consts):
+        return None
+    words = [_words_i32(leaves, lay) for leaves in members]
+    zeros = [leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else w for leaves, w in zip(members, words)]
+    scales = [leaves[lay.scale] for leaves in members]
+    offsets = [[_offset(t[i], t[0]) if t[i].dtype == t[0].dtype else None for t in (words, scales, zeros)]
+               for i in range(1, len(members))]
+    if any(o is None for offs in offsets for o in offs):
+        return None
+    rec = record is not None and workspace is None and x.is_contiguous()
+    x = x.contiguous()
+    M = x.shape[0]
+    tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
+    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
+                                                           "int4_mma_group")
+    launch = replay.launch(int4_mma_group_kernel, (sum(tiles), cfg.SPLIT_K), (
+        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
+        *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
+        **consts[0], BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET,
+        EVEN_N=all(n % cfg.BLOCK_N == 0 for n in Ns),
+        SCALE_FIRST=cfg.scale_first and scales[0].dtype == torch.bfloat16, BLOCK_M=block_m(M),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
+        rec)
+    if rec and launch.replayable:
+        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
+    return outs
+
+
 def split_buffers(out: torch.Tensor, split_k: int, tiles_n: int, workspace, name: str):
     """(fp32 partials [split_k, M, N], zeroed counters) for a launch split over K that reduces in place, or
     (out, out) without a split (the kernel then does not touch them). workspace: the caller's partials."""
@@ -487,4 +578,21 @@ def aot_builds():
                                       f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''}"
                                       f"{' scale_first' if cfg.scale_first else ''} [{N}x{K}]",
                                       int4_mma_kernel, args, ce, cfg.num_warps, cfg.num_stages))
+    # the grouped launch for a decoder's q / k / v (4096 + 1024 + 1024 columns) at 16 rows, two codes per byte
+    lay, (_, st, zt) = REPORT_LAYOUTS["int4_k_stack"]
+    K, Ns = 4096, (4096, 1024, 1024)
+    for cfg in (Int4Mma(128, 8, 4), Int4Mma(128, 8, 4, scale_first=True)):
+        # member fields: not multiples of 16 (no divisibility hint: do_not_specialize), offsets 64-bit
+        members = dict(M=3, N=4099, T1=67, T2=83, N1=1027, N2=1027, DQ1=2**40 + 3, DQ2=-2**40 - 3,
+                       DS1=2**40 + 3, DS2=-2**40 - 3, DZ1=2**40 + 3, DZ2=-2**40 - 3, DO1=2**40 + 3,
+                       DO2=-2**40 - 3, DW1=2**40 + 3, DW2=2**41 + 3)
+        args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
+                    cnt_ptr="*i32", **members)
+        consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
+        ce = dict(consts, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True, EVEN_N=True,
+                  SCALE_FIRST=cfg.scale_first and st == "*bf16", BLOCK_M=16)
+        builds.append(TritonBuild("int4_mma_group", f"int4_k_stack BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
+                                  f"w{cfg.num_warps}{' scale_first' if cfg.scale_first else ''} "
+                                  f"[16x({'+'.join(map(str, Ns))})x{K}]",
+                                  int4_mma_group_kernel, args, ce, cfg.num_warps, 1))
     return builds
