@@ -6,7 +6,6 @@ tolerance. CPU: the Triton interpreter on small shapes with column tails, split 
 partials) and none, two and three members; members that cannot share a launch (another layout's
 strides, a global scale) are refused. GPU: the decoder's q / k / v shapes.
 """
-import dataclasses
 import functools
 
 import pytest
@@ -100,15 +99,26 @@ def test_int4_mma_group_matches_each_launch(K, Ns, M, cfg):
     _check("int4_k_stack", K, list(Ns), M, cfg)
 
 
-def test_int4_mma_group_refuses_tma_and_per_member_strides():
-    """A TMA config (one descriptor per weight) and GPTQ's [K/8, N] words (strides that depend on N): None,
-    and the members run alone."""
+@pytest.mark.parametrize("Ns,M,split_k", [((64, 32, 40), 16, 2), ((128, 64), 33, 1)], ids=["three_split", "two_64_rows"])
+def test_int4_mma_group_tma_matches_each_launch(Ns, M, split_k):
+    """With TMA words (each member through its own descriptor): each output is its own TMA launch's."""
+    _check("int4_k_stack", 256, list(Ns), M, im.Int4Mma(64, split_k, 4, tma=True, num_stages=3))
+
+
+def test_int4_mma_group_refuses_per_member_strides_and_mixed_tma():
+    """GPTQ's [K/8, N] words (strides that depend on N) and members whose words are 16-byte aligned for some
+    only (TMA for those alone, as their own launches would): None, and the members run alone."""
     x = torch.randn(16, 256, dtype=torch.bfloat16, device=DEVICE)
-    ks = [member("int4_k_stack", 256, n, x, seed) for seed, n in enumerate((64, 32))]
-    assert im.int4_mma_group(x, [m[0] for m in ks], ks[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4, tma=True,
-                                                                                        num_stages=3)) is None
     gptq = [member("gptq", 256, n, x, seed) for seed, n in enumerate((64, 32))]
     assert im.int4_mma_group(x, [m[0] for m in gptq], gptq[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4)) is None
+    ks = [member("int4_k_stack", 256, n, x, seed) for seed, n in enumerate((64, 32))]
+    codes = torch.empty(32 * 128 + 4, dtype=torch.uint8, device=DEVICE)[4:].view(32, 128)  # 4 bytes off 16
+    codes.copy_(ks[1][0][0])
+    skewed = [ks[0][0], [codes, *ks[1][0][1:]]]
+    tma = im.Int4Mma(64, 1, 4, tma=True, num_stages=3)
+    assert im.int4_mma_group(x, skewed, ks[0][1], 256, [64, 32], tma) is None
+    outs = im.int4_mma_group(x, skewed, ks[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4))  # direct loads: fine
+    assert outs is not None and torch.equal(outs[1], im.int4_mma(x, skewed[1], ks[0][1], 256, 32, im.Int4Mma(64, 1, 4)))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
@@ -212,7 +222,7 @@ def test_gpu_int4_mma_group_every_config_the_tuner_may_pick(Ns, M):
     lay = member("int4_k_stack", 4096, Ns[0], torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE), 0)[1]
     cfgs = [c for c in dmg.group_candidates(next_power_of_2(M), sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
             if isinstance(c, im.Int4Mma)]
-    assert cfgs and not any(c.tma for c in cfgs)
+    assert cfgs and any(c.tma for c in cfgs)
     for cfg in cfgs:
         _check("int4_k_stack", 4096, list(Ns), M, cfg)
 
@@ -252,10 +262,9 @@ def test_group_candidates_are_the_dispatchers_gemv_configs():
         == sync
     assert not any(isinstance(c, ims.Int4MmaSync) for c in dmg.group_candidates(1, 28672, 4096, 132, int4,
                                                                                  torch.float16))
-    # and int4_mma's up to 64 rows, its TMA configs as the same tiles loading the words directly
+    # and int4_mma's up to 64 rows, TMA configs included
     mma = [c for c in dm._packed_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)]
     assert any(c.tma for c in mma) and any(not c.tma for c in mma)
-    grouped = [c for c in dmg.group_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)]
-    assert grouped == list(dict.fromkeys(dataclasses.replace(c, tma=False, num_stages=1) for c in mma))
+    assert [c for c in dmg.group_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)] == mma
     assert not any(isinstance(c, im.Int4Mma) for c in dmg.group_candidates(16, 28672, 4096, 132, int4,
                                                                            torch.float16))

@@ -70,15 +70,9 @@ _tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv, an In
 def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=torch.bfloat16) -> list:
     """The GEMV, ``int4_mma_sync`` and ``int4_mma`` configs the dispatcher offers for the summed width (GEMVs
     reading K in vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``;
-    ``int4_mma``'s TMA configs as the same tiles with the words loaded directly: one descriptor cannot cover
-    several weights)."""
-    out = []
-    for c in dm._packed_candidates(M, N, K, sms, lay, dtype):
-        if isinstance(c, im.Int4Mma) and c.tma:
-            c = dataclasses.replace(c, tma=False, num_stages=1)
-        if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync, im.Int4Mma)) and c not in out:
-            out.append(c)
-    return out
+    so do ``int4_mma``'s TMA configs: ``int4_mma.int4_mma_group``)."""
+    return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype)
+            if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync, im.Int4Mma))]
 
 
 def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, workspace=None, record=None):

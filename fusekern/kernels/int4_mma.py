@@ -27,9 +27,9 @@ Why it is faster than the CUDA-core GEMV (``packed_mm``) at M = 16 and not slowe
 - Optionally (``tma=True``) the words come through a TMA descriptor, pipelined num_stages deep through
   shared memory, and each group's scale and zero are loaded one tile ahead.
 Two or three weights that multiply the same x (a decoder's q / k / v, gate / up) can share one launch
-(``int4_mma_group``: the members' column tiles in one grid, as ``packed_gemv_group`` does; the words loaded
-directly, since one TMA descriptor cannot cover several weights): at 9-64 rows ``int4_mma_sync_group`` no
-longer applies and small members (k / v) leave most of the GPU idle in their own launches.
+(``int4_mma_group``: the members' column tiles in one grid, as ``packed_gemv_group`` does; TMA words through
+one descriptor per member): at 9-64 rows ``int4_mma_sync_group`` no longer applies, and small members (k / v)
+leave most of the GPU idle in their own launches.
 H200, GPTQ, N = K = 8192 (`benchmarks/results/h200/gptq_mma.csv`): 16.1 us at M = 1 (GEMV 17.1) and 17.4 at
 M = 16 (the swap-AB ``packed_dot`` tile 574); with TMA words 15.7 and 16.6, and two codes per byte 18.6 and
 19.2 against 22.4 and 24.3 direct (`int4_mma_tma_sweep.csv`). The dispatcher times every kernel per shape
@@ -251,27 +251,46 @@ def int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
 
 @triton.jit(do_not_specialize=["M", "N", "T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1",
                                "DO2", "DW1", "DW2"])  # (offsets between allocations change per weight)
-def int4_mma_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+def int4_mma_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, q_desc, q_desc1, q_desc2, M, N,
                           T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1, DW2,
                           K: tl.constexpr, SQK: tl.constexpr, SQN: tl.constexpr,
                           ZMODE: tl.constexpr, C: tl.constexpr, SZK: tl.constexpr, SZN: tl.constexpr,
                           SSK: tl.constexpr, SSN: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                          ASM: tl.constexpr, EVEN_N: tl.constexpr, SCALE_FIRST: tl.constexpr = False,
-                          BLOCK_M: tl.constexpr = 16):
+                          ASM: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr = 0,
+                          SCALE_FIRST: tl.constexpr = False, BLOCK_M: tl.constexpr = 16):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
     D*2 the element offsets of members 1 and 2's words, scales, zeros, outputs ([M, N_i]) and split-K
     partials from member 0's. A member's split-K counters follow the previous member's. EVEN_N: every
-    member's width is a multiple of BLOCK_N."""
+    member's width is a multiple of BLOCK_N. TMA: each member's words through its own descriptor (q_desc,
+    q_desc1, q_desc2), so the program is compiled once per member, each copy with its own pipelined loop."""
     pid = tl.program_id(0)
     in1 = pid >= T1
     in2 = pid >= T2
     first = _pick(in1, in2, 0, T1, T2)  # the member's first column tile
-    mma_program(pid - first, tl.program_id(1), x_ptr, q_ptr + _pick(in1, in2, 0, DQ1, DQ2),
-                z_ptr + _pick(in1, in2, 0, DZ1, DZ2), s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr,
-                out_ptr + _pick(in1, in2, 0, DO1, DO2), ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr + first,
-                None, M, _pick(in1, in2, N, N1, N2), EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False,
-                BLOCK_N, SPLIT_K, ASM, 0, SCALE_FIRST, BLOCK_M)
+    pid_n = pid - first
+    q = q_ptr + _pick(in1, in2, 0, DQ1, DQ2)
+    z = z_ptr + _pick(in1, in2, 0, DZ1, DZ2)
+    s = s_ptr + _pick(in1, in2, 0, DS1, DS2)
+    out = out_ptr + _pick(in1, in2, 0, DO1, DO2)
+    ws = ws_ptr + _pick(in1, in2, 0, DW1, DW2)
+    n = _pick(in1, in2, N, N1, N2)
+    if TMA == 0:
+        mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, None, M, n,
+                    EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, 0, SCALE_FIRST,
+                    BLOCK_M)
+    elif in2:
+        mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, q_desc2, M, n,
+                    EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, TMA,
+                    SCALE_FIRST, BLOCK_M)
+    elif in1:
+        mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, q_desc1, M, n,
+                    EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, TMA,
+                    SCALE_FIRST, BLOCK_M)
+    else:
+        mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, q_desc, M, n,
+                    EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, TMA,
+                    SCALE_FIRST, BLOCK_M)
 
 
 @triton.jit
@@ -455,14 +474,14 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
 def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4Mma,
                    workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
     """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
-    they cannot share one: a TMA config (each member's words would need their own descriptor), another
-    stride or constant between members (GPTQ's ``[K/8, N]`` words: their strides are N), leaves not a whole
-    number of elements apart. Each output is the member's own ``int4_mma`` launch's with the same config,
+    they cannot share one: another stride or constant between members (GPTQ's ``[K/8, N]`` words: their
+    strides are N), leaves not a whole number of elements apart, TMA words for some members only (16-byte
+    aligned words: each takes TMA in its own launch). Each output is the member's own ``int4_mma`` launch's with the same config,
     bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called
     with a replay of this call (a contiguous x, no workspace given)."""
     from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
 
-    if cfg.tma or not 2 <= len(members) <= MAX_MEMBERS:
+    if not 2 <= len(members) <= MAX_MEMBERS:
         return None
     for leaves, N in zip(members, Ns):
         check(x, leaves, lay, K, N, cfg)
@@ -484,10 +503,19 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
     tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
     outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
                                                            "int4_mma_group")
+    descs = [None] * MAX_MEMBERS
+    tma = 0
+    if cfg.tma:  # every member's words 16-byte aligned, or none through TMA (each as its own launch would)
+        made = [_tma_words(w, lay, cfg) for w in words]
+        if len({mode for mode, _ in made}) != 1:
+            return None
+        tma = made[0][0]
+        if tma:
+            descs = [d for _, d in made] + [made[-1][1]] * (MAX_MEMBERS - len(made))
     launch = replay.launch(int4_mma_group_kernel, (sum(tiles), cfg.SPLIT_K), (
-        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
+        x, words[0], zeros[0], scales[0], outs[0], ws, cnt, *descs, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET,
+        **consts[0], BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET, TMA=tma,
         EVEN_N=all(n % cfg.BLOCK_N == 0 for n in Ns),
         SCALE_FIRST=cfg.scale_first and scales[0].dtype == torch.bfloat16, BLOCK_M=block_m(M),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),
@@ -581,18 +609,20 @@ def aot_builds():
     # the grouped launch for a decoder's q / k / v (4096 + 1024 + 1024 columns) at 16 rows, two codes per byte
     lay, (_, st, zt) = REPORT_LAYOUTS["int4_k_stack"]
     K, Ns = 4096, (4096, 1024, 1024)
-    for cfg in (Int4Mma(128, 8, 4), Int4Mma(128, 8, 4, scale_first=True)):
+    for cfg in (Int4Mma(128, 8, 4), Int4Mma(128, 8, 4, scale_first=True), Int4Mma(128, 8, 4, tma=True, num_stages=3)):
         # member fields: not multiples of 16 (no divisibility hint: do_not_specialize), offsets 64-bit
         members = dict(M=3, N=4099, T1=67, T2=83, N1=1027, N2=1027, DQ1=2**40 + 3, DQ2=-2**40 - 3,
                        DS1=2**40 + 3, DS2=-2**40 - 3, DZ1=2**40 + 3, DZ2=-2**40 - 3, DO1=2**40 + 3,
                        DO2=-2**40 - 3, DW1=2**40 + 3, DW2=2**41 + 3)
+        tma, block = _tma_tile(lay, cfg.BLOCK_N) if cfg.tma else (0, None)
+        desc = f"tensordesc<i32{block}>" if tma else None
         args = dict(x_ptr="*bf16", q_ptr="*i32", z_ptr=zt, s_ptr=st, out_ptr="*bf16", ws_ptr="*fp32",
-                    cnt_ptr="*i32", **members)
+                    cnt_ptr="*i32", q_desc=desc, q_desc1=desc, q_desc2=desc, **members)
         consts = {k: v for k, v in _constexprs(lay, K, Ns[0]).items() if k != "N"}
-        ce = dict(consts, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True, EVEN_N=True,
+        ce = dict(consts, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=True, EVEN_N=True, TMA=tma,
                   SCALE_FIRST=cfg.scale_first and st == "*bf16", BLOCK_M=16)
         builds.append(TritonBuild("int4_mma_group", f"int4_k_stack BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
-                                  f"w{cfg.num_warps}{' scale_first' if cfg.scale_first else ''} "
-                                  f"[16x({'+'.join(map(str, Ns))})x{K}]",
-                                  int4_mma_group_kernel, args, ce, cfg.num_warps, 1))
+                                  f"w{cfg.num_warps}{f' tma s{cfg.num_stages}' if tma else ''}"
+                                  f"{' scale_first' if cfg.scale_first else ''} [16x({'+'.join(map(str, Ns))})x{K}]",
+                                  int4_mma_group_kernel, args, ce, cfg.num_warps, cfg.num_stages))
     return builds
