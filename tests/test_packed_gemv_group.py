@@ -268,3 +268,14 @@ def test_group_candidates_are_the_dispatchers_gemv_configs():
     assert [c for c in dmg.group_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)] == mma
     assert not any(isinstance(c, im.Int4Mma) for c in dmg.group_candidates(16, 28672, 4096, 132, int4,
                                                                            torch.float16))
+
+
+def test_the_grouped_op_reaches_every_row_count_a_grouped_kernel_takes():
+    """The op's row limit (``GROUP_M_MAX``: past it the members run alone, untimed) is the largest row bucket
+    the grouped kernels are offered at: int4_mma's 64 for int4 along K (it once stopped at the GEMV's 8, and
+    the tuner never timed int4_mma_group)."""
+    from fusekern.kernels import decode_mm_group as dmg
+
+    int4 = member("int4_k_stack", 256, 64, torch.empty(1, 256, dtype=torch.bfloat16), 0)[1]
+    offered = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if dmg.group_candidates(m, 6144, 4096, 132, int4)]
+    assert offered[-1] == dmg.GROUP_M_MAX == 64

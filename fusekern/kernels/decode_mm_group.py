@@ -52,10 +52,13 @@ def _separate(x, members, programs, layout) -> list[torch.Tensor]:
     return [dm.decode_mm(x, leaves, text, None, layout) for leaves, text in zip(members, programs)]
 
 
+GROUP_M_MAX = max(dm.PACKED_GEMV_M_MAX, im.M_MAX)  # the most rows a grouped kernel takes (int4_mma's 64)
+
+
 def _groupable(x, members, progs, layout) -> bool:
-    """One GEMV launch can serve these members: a few rows of a supported dtype, one K, 2-D weights whose
+    """One launch can serve these members: a few rows of a supported dtype, one K, 2-D weights whose
     leaves have the strides the programs were traced with, a packed layout they share."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in dm.SUPPORTED_ACT_DTYPES and x.shape[0] <= dm.PACKED_GEMV_M_MAX
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in dm.SUPPORTED_ACT_DTYPES and x.shape[0] <= GROUP_M_MAX
             and layout and 2 <= len(members) <= pg.MAX_MEMBERS):
         return False
     if any(p.batch or p.K != progs[0].K or p.dtype != x.dtype for p in progs):
