@@ -692,3 +692,18 @@ def test_gpu_ops_replay_after_the_first_call(monkeypatch):
         lay = dmg.PackedLayout.from_text(layout)
         want = dmg.group_launch(x2, members, lay, K, Ns, choice)  # (a grouped GEMV or int4_mma_sync)
     assert len(outs2) == 2 and all(torch.equal(o, w) for o, w in zip(outs2, want))
+
+
+def test_grouped_tuner_keeps_members_alone_without_timing_where_no_kernel_groups_them(monkeypatch):
+    """16 rows of FP8 weights: the op may group up to 64 rows (int4_mma's limit), but no grouped kernel takes
+    these, so the tuner answers SEPARATE at once (no timing of the members on the first call) and keeps it."""
+    monkeypatch.setattr(dmg, "_tuned", {})
+    monkeypatch.setattr(dmg, "_groupable", lambda *a: True)  # (it asks for CUDA rows)
+    monkeypatch.setattr(dmg.pg, "group_args", lambda *a: ("fits",))
+    monkeypatch.setattr(dmg, "sm_count", lambda d: 132)
+    monkeypatch.setattr(dmg.dm, "_gpu_time", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    texts, members, layouts = zip(*[_program("fp8_channel", 256, n, x, seed) for seed, n in enumerate((64, 32))])
+    assert dmg.tuned_choice(x, list(members), list(texts), layouts[0]) == dmg.SEPARATE
+    assert list(dmg._tuned.values()) == [dmg.SEPARATE]

@@ -106,6 +106,9 @@ def tuned_choice(x, members, programs, layout):
             _tuned[key] = SEPARATE
         return SEPARATE  # else not cached: another layer's leaves for the same programs may lie apart
     cands = group_candidates(bucket, sum(Ns), K, sm_count(x.device), lay, x.dtype)
+    if not cands:  # (e.g. 9-64 rows of a format only int4_mma groups): nothing to time against
+        _tuned[key] = SEPARATE
+        return SEPARATE
     probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
                         dtype=x.dtype)
     refs = _separate(probe, members, programs, layout)  # each member's own tuned (and checked) kernel
