@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
@@ -74,8 +75,9 @@ def test_group_matches_each_launch(fmt, Ns, M, split_k):
 
 
 @pytest.mark.parametrize("Ns,M,cfg", [((64, 32, 40), 1, ims.Int4MmaSync(SPLIT_K=2)),
-                                      ((96, 136), 3, ims.Int4MmaSync(SPLIT_K=1, GROUPS_PER_WARP=2))],
-                         ids=["three_split", "two_tails_two_groups"])
+                                      ((96, 136), 3, ims.Int4MmaSync(SPLIT_K=1, GROUPS_PER_WARP=2)),
+                                      ((64, 40), 8, ims.Int4MmaSync(SPLIT_K=2))],
+                         ids=["three_split", "two_tails_two_groups", "eight_rows"])
 def test_int4_mma_sync_group_matches_each_launch(Ns, M, cfg):
     """``int4_mma_sync``'s grouped launch: each member's output is its own launch's, bit for bit."""
     _check("int4_k_stack", 256, list(Ns), M, cfg)
@@ -94,7 +96,7 @@ def test_int4_mma_sync_group_needs_one_program():
                                         (384, (128, 64), 40, im.Int4Mma(64, 3, 4))],
                          ids=["three_tails_split", "two_tails_32_rows_scale_first", "whole_tiles_64_rows"])
 def test_int4_mma_group_matches_each_launch(K, Ns, M, cfg):
-    """``int4_mma``'s grouped launch (9-64 rows: x padded to 16, 32 or 64): each member's output is its own
+    """``int4_mma``'s grouped launch (up to 64 rows: x padded to 16, 32 or 64): each member's output is its own
     launch's, bit for bit, split K partials NaN-poisoned."""
     _check("int4_k_stack", K, list(Ns), M, cfg)
 
@@ -119,6 +121,31 @@ def test_int4_mma_group_refuses_per_member_strides_and_mixed_tma():
     assert im.int4_mma_group(x, skewed, ks[0][1], 256, [64, 32], tma) is None
     outs = im.int4_mma_group(x, skewed, ks[0][1], 256, [64, 32], im.Int4Mma(64, 1, 4))  # direct loads: fine
     assert outs is not None and torch.equal(outs[1], im.int4_mma(x, skewed[1], ks[0][1], 256, 32, im.Int4Mma(64, 1, 4)))
+
+
+@pytest.mark.parametrize("fmt,Ns,M,cfg", [
+    ("fp8_channel", (64, 32, 40), 16, f8.Fp8Mma(64, 128, 2)),
+    ("fp8_block", (256, 384), 9, f8.Fp8Mma(64, 128, 3)),
+    ("int8_group_asym", (96, 40), 5, f8.Fp8Mma(64, 128, 1, num_warps=8)),
+    ("int8_channel", (64, 136, 24), 2, f8.Fp8Mma(128, 128, 2))],
+    ids=["fp8_three_split", "fp8_block_scales", "int8_zeros_no_split", "int8_three_tails"])
+def test_fp8_mma_group_matches_each_launch(fmt, Ns, M, cfg):
+    """``fp8_mma``'s grouped launch (8-bit codes along K, 2-16 rows): each member's output is its own launch's,
+    bit for bit, split K partials NaN-poisoned (block scales, 8-bit zero points, column tails)."""
+    _check(fmt, 384, list(Ns), M, cfg)
+
+
+def test_fp8_mma_group_codes_not_16_bytes_apart():
+    """Members whose codes lie a multiple of 16 bytes apart let the kernel know it (QA = 16: vector loads);
+    4 bytes off, the same launch reads them without that promise, and each output is still its own launch's."""
+    K, Ns = 256, [64, 40]
+    x = torch.randn(16, K, dtype=torch.bfloat16, device=DEVICE)
+    made = [member("fp8_channel", K, n, x, seed) for seed, n in enumerate(Ns)]
+    buf = torch.empty(Ns[1] * K + 4, dtype=torch.uint8, device=DEVICE)
+    codes = buf[4:].view(made[1][0][0].dtype).view(Ns[1], K)
+    codes.copy_(made[1][0][0])
+    assert (codes.data_ptr() - made[0][0][0].data_ptr()) % 16 == 4
+    _check("fp8_channel", K, Ns, 16, f8.Fp8Mma(64, 128, 2), members=[made[0][0], [codes, *made[1][0][1:]]])
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
@@ -228,6 +255,23 @@ def test_gpu_int4_mma_group_every_config_the_tuner_may_pick(Ns, M):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8_channel"])
+@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
+def test_gpu_fp8_mma_group_every_config_the_tuner_may_pick(fmt, Ns):
+    """At 16 rows, every ``fp8_mma`` config the dispatcher offers for the summed width gives each member its own
+    launch's output."""
+    from fusekern.kernels import decode_mm_group as dmg
+    from fusekern.kernels.device_info import sm_count
+
+    lay = member(fmt, 4096, Ns[0], torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE), 0)[1]
+    cfgs = [c for c in dmg.group_candidates(16, sum(Ns), 4096, sm_count(torch.device(DEVICE)), lay)
+            if isinstance(c, f8.Fp8Mma)]
+    assert cfgs
+    for cfg in cfgs:
+        _check(fmt, 4096, list(Ns), 16, cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "fp8_channel"])
 @pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
 def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
@@ -268,11 +312,14 @@ def test_group_candidates_are_the_dispatchers_gemv_configs():
     assert [c for c in dmg.group_candidates(16, 28672, 4096, 132, int4) if isinstance(c, im.Int4Mma)] == mma
     assert not any(isinstance(c, im.Int4Mma) for c in dmg.group_candidates(16, 28672, 4096, 132, int4,
                                                                            torch.float16))
+    # and fp8_mma's for 8-bit codes up to 16 rows
+    fp8 = [c for c in dm._packed_candidates(16, 28672, 4096, 132, lay) if isinstance(c, f8.Fp8Mma)]
+    assert fp8 and [c for c in dmg.group_candidates(16, 28672, 4096, 132, lay) if isinstance(c, f8.Fp8Mma)] == fp8
 
 
 def test_the_grouped_op_reaches_every_row_count_a_grouped_kernel_takes():
     """The op's row limit (``GROUP_M_MAX``: past it the members run alone, untimed) is the largest row bucket
-    the grouped kernels are offered at: int4_mma's 64 for int4 along K (it once stopped at the GEMV's 8, and
+    the grouped kernels are offered at: int4_mma's 64 for int4 along K (it once stopped at the GEMV's 4, and
     the tuner never timed int4_mma_group)."""
     from fusekern.kernels import decode_mm_group as dmg
 

@@ -489,6 +489,46 @@ def test_grouped_op_records_and_replays_int4_mma(interpreted, monkeypatch, split
         assert g.shape == (17, n) and torch.equal(g, im.int4_mma(x2, m, lay, 256, n, cfg))
         assert not torch.equal(g, f)
 
+def test_grouped_op_drops_tma_for_members_not_all_16_byte_aligned(interpreted, monkeypatch):
+    """A TMA ``int4_mma`` config tuned on a layer whose words were all 16-byte aligned, on a layer where one
+    member's are not: the same tiles load the words directly, still one launch (not the members alone)."""
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cfg = im.Int4Mma(64, 2, 4, tma=True, num_stages=3)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
+    monkeypatch.setattr(dmg, "_separate", lambda *a, **k: pytest.fail("members run alone"))
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    layout = _program("int4_k_stack", 256, 64, x)[2]
+    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 32))])
+    codes = torch.empty(32 * 128 + 4, dtype=torch.uint8)[4:].view(32, 128)  # 4 bytes off 16
+    codes.copy_(members[1][0])
+    members = [members[0], [codes, *members[1][1:]]]
+    got = dmg._decode_mm_group_cuda(x, [t for m in members for t in m], list(texts), layout)
+    lay = dmg.PackedLayout.from_text(layout)
+    plain = im.Int4Mma(64, 2, 4)
+    for g, m, n in zip(got, members, (64, 32)):
+        assert torch.equal(g, im.int4_mma(x, m, lay, 256, n, plain))
+
+
+def test_grouped_op_records_and_replays_fp8_mma(interpreted, monkeypatch):
+    """The same with ``fp8_mma``'s grouped launch (FP8 per channel, 16 rows, split K)."""
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cfg = dmg.f8.Fp8Mma(64, 128, 2)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    layout = _program("fp8_channel", 256, 64, x)[2]
+    texts, members = zip(*[_program("fp8_channel", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
+    flat = [t for m in members for t in m]
+    first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
+    monkeypatch.setattr(dmg.f8, "fp8_mma_group", lambda *a, **k: pytest.fail("not replayed"))
+    x2 = torch.randn(16, 256, dtype=torch.bfloat16)
+    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
+    lay = dmg.PackedLayout.from_text(layout)
+    for g, f, m, n in zip(got, first, members, (64, 40, 24)):
+        assert g.shape == (16, n) and torch.equal(g, dmg.f8.fp8_mma(x2, m, lay, 256, n, cfg))
+        assert not torch.equal(g, f)
+
 # ----------------------------------------------------------------------------- GPU: replays compute the same
 
 
@@ -695,15 +735,16 @@ def test_gpu_ops_replay_after_the_first_call(monkeypatch):
 
 
 def test_grouped_tuner_keeps_members_alone_without_timing_where_no_kernel_groups_them(monkeypatch):
-    """16 rows of FP8 weights: the op may group up to 64 rows (int4_mma's limit), but no grouped kernel takes
-    these, so the tuner answers SEPARATE at once (no timing of the members on the first call) and keeps it."""
+    """32 rows of FP8 weights: the op may group up to 64 rows (int4_mma's limit), but no grouped kernel takes
+    these (fp8_mma stops at 16), so the tuner answers SEPARATE at once (no timing of the members on the first
+    call) and keeps it."""
     monkeypatch.setattr(dmg, "_tuned", {})
     monkeypatch.setattr(dmg, "_groupable", lambda *a: True)  # (it asks for CUDA rows)
     monkeypatch.setattr(dmg.pg, "group_args", lambda *a: ("fits",))
     monkeypatch.setattr(dmg, "sm_count", lambda d: 132)
     monkeypatch.setattr(dmg.dm, "_gpu_time", lambda *a, **k: pytest.fail("timed"))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
     texts, members, layouts = zip(*[_program("fp8_channel", 256, n, x, seed) for seed, n in enumerate((64, 32))])
     assert dmg.tuned_choice(x, list(members), list(texts), layouts[0]) == dmg.SEPARATE
     assert list(dmg._tuned.values()) == [dmg.SEPARATE]

@@ -3,7 +3,8 @@
 ``decode_mm_group(x, leaves, programs, layout)`` returns ``[decode_mm(x, leaves_i, programs[i], None,
 layout) for each member]`` (leaves: every member's leaves, in member order). On CUDA, for a few rows, the
 members' GEMVs can run as one launch (``packed_gemv_group``; for int4 along K and bf16 rows also
-``int4_mma_sync_group`` up to 8 rows and ``int4_mma_group`` up to 64): the first call of a shape times the grouped configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
+``int4_mma_sync_group`` up to 8 rows and ``int4_mma_group`` up to 64; for 8-bit codes along K
+``fp8_mma_group`` up to 16): the first call of a shape times the grouped configs against the members' own launches (each as ``decode_mm`` would run it, its own tuned
 kernel) and keeps the fastest whose outputs agree with the members' own; a shape where grouping loses,
 or that cannot be grouped, runs the members one by one. Elsewhere (CPU, more rows) the members run one
 by one: the op never computes anything ``decode_mm`` would not.
@@ -17,6 +18,7 @@ import torch
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import decode_mm as dm
+from fusekern.kernels import fp8_mma as f8
 from fusekern.kernels import int4_mma as im
 from fusekern.kernels import int4_mma_sync as ims
 from fusekern.kernels import packed_gemv_group as pg
@@ -67,15 +69,15 @@ def _groupable(x, members, progs, layout) -> bool:
                for t, leaf in zip(leaves, p.leaves))
 
 
-_tuned: dict = {}  # (programs, layout, M bucket, device) -> a PackedGemv, an Int4MmaSync, an Int4Mma or SEPARATE
+_tuned: dict = {}  # (programs, layout, M bucket, device) -> a grouped kernel's config or SEPARATE
 
 
 def group_candidates(M: int, N: int, K: int, sms: int, lay: PackedLayout, dtype=torch.bfloat16) -> list:
-    """The GEMV, ``int4_mma_sync`` and ``int4_mma`` configs the dispatcher offers for the summed width (GEMVs
-    reading K in vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``;
+    """The GEMV, ``int4_mma_sync``, ``int4_mma`` and ``fp8_mma`` configs the dispatcher offers for the summed width
+    (GEMVs reading K in vectors serve only members whose codes are 16-byte aligned: ``packed_gemv_group.gemv_group``;
     so do ``int4_mma``'s TMA configs: ``int4_mma.int4_mma_group``)."""
     return [c for c in dm._packed_candidates(M, N, K, sms, lay, dtype)
-            if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync, im.Int4Mma))]
+            if isinstance(c, (pm.PackedGemv, ims.Int4MmaSync, im.Int4Mma, f8.Fp8Mma))]
 
 
 def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, workspace=None, record=None):
@@ -84,11 +86,13 @@ def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, work
         return ims.int4_mma_sync_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
     if isinstance(cfg, im.Int4Mma):
         return im.int4_mma_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
+    if isinstance(cfg, f8.Fp8Mma):
+        return f8.fp8_mma_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
     return pg.gemv_group(x, members, lay, K, Ns, cfg, workspace=workspace, record=record)
 
 
 def tuned_choice(x, members, programs, layout):
-    """A grouped launch's config (GEMV, ``int4_mma_sync`` or ``int4_mma``), or SEPARATE: measured on the first call of a
+    """A grouped launch's config (GEMV, ``int4_mma_sync``, ``int4_mma`` or ``fp8_mma``), or SEPARATE: measured on the first call of a
     shape (see the module doc)."""
     progs = [DecodeProgram.from_text(t) for t in programs]
     if not _groupable(x, members, progs, layout):
@@ -169,6 +173,9 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
             # not, so the same tiles read word by word, still one launch
             outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, vec_k=False),
                                  record=replay.recorder(_REPLAYS, key, leaves))
+        if outs is None and isinstance(cfg, im.Int4Mma) and cfg.tma:  # the same: words loaded directly
+            outs = im.int4_mma_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, tma=False, num_stages=1),
+                                     record=replay.recorder(_REPLAYS, key, leaves))
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)

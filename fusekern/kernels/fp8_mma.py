@@ -25,6 +25,8 @@ rows on issue 4's shapes (issue 4 asks 1.4x). Here:
   applied to each tile's product (a block scale loaded per tile, a per-channel or per-tensor one once).
 - K is split over programs and reduced in the launch by the last program of a column tile, in split order
   (deterministic), with the counters of ``split_counters``.
+Two or three weights that multiply the same x (a decoder's q / k / v, gate / up) can share one launch
+(``fp8_mma_group``: the members' column tiles in one grid, as ``int4_mma_group`` does).
 H200, CUDA graph (``benchmarks/proto/fp8_dot_probe.py``, ``fp8_dot_probe*.csv``): 16 rows at 8192 x 8192 in 24.4
 us against the generic tile's 26.1, 14336 x 4096 22.9-24.0 against 25.6-25.8, 4096 x 14336 24.8 against 25.2.
 
@@ -99,11 +101,50 @@ def fp8_mma_kernel(
     BLOCK_K: tl.constexpr, z_ptr=None, szk=0, szn=0, CODE: tl.constexpr = 0, HAS_ZERO: tl.constexpr = False,
     C: tl.constexpr = 0.0,
 ):
-    """One column tile over one K slice: ``out^T[BLOCK_N, BLOCK_M] = sum over K tiles of (W^T x^T) * 2**-e * s``.
+    """One column tile over one K slice: ``fp8_program``."""
+    fp8_program(tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                M, N, K, stride_xm, sqn, ssk, ssn, GK, GN, SCALE_PER_TILE, HAS_GLOBAL, HAS_BIAS, SPLIT_K, BLOCK_M,
+                BLOCK_N, BLOCK_K, z_ptr, szk, szn, CODE, HAS_ZERO, C)
+
+
+@triton.jit(do_not_specialize=["M", "N", "T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1",
+                               "DO2", "DW1", "DW2"])  # (offsets between allocations change per weight)
+def fp8_mma_group_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+    T1, T2, N1, N2, DQ1, DQ2, DS1, DS2, DZ1, DZ2, DO1, DO2, DW1, DW2,
+    K, stride_xm, sqn, ssk, ssn, szk, szn,
+    GK: tl.constexpr, GN: tl.constexpr, SCALE_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CODE: tl.constexpr = 0,
+    HAS_ZERO: tl.constexpr = False, C: tl.constexpr = 0.0, QA: tl.constexpr = 1,
+):
+    """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
+    owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
+    D*2 the element offsets of members 1 and 2's codes (in units of QA bytes), scales, zeros, outputs ([M,
+    N_i]) and split-K partials from member 0's; the strides are every member's. A member's split-K counters
+    follow the previous member's. No global scale and no bias (the grouped op has neither). QA = 16: the
+    members' codes lie 16-byte multiples apart, which the compiler then knows (otherwise it cannot vectorize
+    their loads: 255 registers and 708 bytes of spills for 128-column tiles, sm_90a)."""
+    pid = tl.program_id(0)
+    in1 = pid >= T1
+    in2 = pid >= T2
+    first = _pick(in1, in2, 0, T1, T2)  # the member's first column tile
+    fp8_program(pid - first, tl.program_id(1), x_ptr, q_ptr + _pick(in1, in2, 0, DQ1, DQ2) * QA,
+                s_ptr + _pick(in1, in2, 0, DS1, DS2), s_ptr, out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
+                ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr + first, M, _pick(in1, in2, N, N1, N2), K, stride_xm,
+                sqn, ssk, ssn, GK, GN, SCALE_PER_TILE, False, False, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                z_ptr + _pick(in1, in2, 0, DZ1, DZ2), szk, szn, CODE, HAS_ZERO, C)
+
+
+@triton.jit
+def fp8_program(pid_n, pid_k, x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                M, N, K, stride_xm, sqn, ssk, ssn, GK: tl.constexpr, GN: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, z_ptr, szk, szn, CODE: tl.constexpr,
+                HAS_ZERO: tl.constexpr, C: tl.constexpr):
+    """Column tile pid_n over K slice pid_k: ``out^T[BLOCK_N, BLOCK_M] = sum over K tiles of (W^T x^T) * 2**-e * s``.
     CODE (``CODES``): the bytes as e4m3, int8 or uint8; HAS_ZERO: an 8-bit integer zero per scale group at z_ptr
-    (strides szk, szn); C: a constant taken off the integer codes too."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    (strides szk, szn); C: a constant taken off the integer codes too. cnt_ptr + pid_n: the tile's split-K
+    counter."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     nmask = offs_n < N
@@ -143,6 +184,12 @@ def fp8_mma_kernel(
             _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
     else:
         _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
+
+
+@triton.jit
+def _pick(in1, in2, v0, v1, v2):
+    """v0, v1 or v2 for a program of member 0, 1 or 2."""
+    return tl.where(in2, v2, tl.where(in1, v1, v0))
 
 
 @triton.jit
@@ -279,6 +326,51 @@ def fp8_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8
     return out
 
 
+def fp8_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Fp8Mma,
+                  workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
+    """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
+    they cannot share one: a global scale, other strides or dtypes between members, leaves not a whole number
+    of elements apart. Each output is the member's own ``fp8_mma`` launch's with the same config, bit for bit.
+    workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay
+    of this call (x with unit stride along K, no workspace given)."""
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
+
+    if not 2 <= len(members) <= MAX_MEMBERS or lay.glob >= 0:
+        return None
+    for leaves, N in zip(members, Ns):
+        check(x, leaves, lay, K, N, cfg)
+    codes = [leaves[lay.code].view(torch.uint8) for leaves in members]
+    scales = [leaves[lay.scale] for leaves in members]
+    zeros = [leaves[lay.zero_leaf] if lay.zero == "int" else q for leaves, q in zip(members, codes)]
+    strides = [(q.stride(0), *leaf_strides(sc, lay.scale_dims),
+                *(leaf_strides(z, lay.zero_dims) if lay.zero == "int" else (0, 0))) for q, sc, z in
+               zip(codes, scales, zeros)]
+    if any(st != strides[0] for st in strides) or any(t.dtype != ts[0].dtype for ts in (scales, zeros) for t in ts):
+        return None
+    offsets = [[_offset(t[i], t[0]) for t in (codes, scales, zeros)] for i in range(1, len(members))]
+    if any(o is None for offs in offsets for o in offs):
+        return None
+    qa = 16 if all(offs[0] % 16 == 0 for offs in offsets) else 1
+    offsets = [[offs[0] // qa, *offs[1:]] for offs in offsets]
+    rec = record is not None and workspace is None
+    if x.stride(1) != 1:  # (x is at most 16 rows)
+        x, rec = x.contiguous(), False
+    M = x.shape[0]
+    tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
+    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace, "fp8_mma_group")
+    sqn, ssk, ssn, szk, szn = strides[0]
+    launch = replay.launch(fp8_mma_group_kernel, (sum(tiles), cfg.SPLIT_K), (
+        x, codes[0], scales[0], zeros[0], outs[0], ws, cnt, M, Ns[0],
+        *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets), K, x.stride(0), sqn, ssk, ssn, szk, szn),
+        dict(GK=lay.group_k, GN=lay.group_n, SCALE_PER_TILE=lay.group_k < K, SPLIT_K=cfg.SPLIT_K, BLOCK_M=16,
+             BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, CODE=CODES[lay.value], HAS_ZERO=lay.zero == "int",
+             C=float(lay.zero_value) if lay.zero in ("const", "int") else 0.0, QA=qa,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages), rec)
+    if rec and launch.replayable:
+        record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
+    return outs
+
+
 # ----------------------------------------------------------------------------- builds for the report
 
 
@@ -313,4 +405,19 @@ def aot_builds():
                 builds.append(TritonBuild("fp8_mma", f"{name} BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
                                           f"w{cfg.num_warps} s{cfg.num_stages} M=16 [{N}x{K}]", fp8_mma_kernel, args,
                                           ce, cfg.num_warps, cfg.num_stages))
+    # the grouped launch for a decoder's q / k / v (4096 + 1024 + 1024 columns, K = 4096) at 16 rows, FP8 per channel
+    K, Ns = 4096, (4096, 1024, 1024)
+    for cfg in dict.fromkeys(c for c in dm._packed_candidates(16, sum(Ns), K, 132, channel) if isinstance(c, Fp8Mma)):
+        # member fields: not multiples of 16 (no divisibility hint: do_not_specialize), offsets 64-bit
+        members = dict(M=3, N=4099, T1=67, T2=83, N1=1027, N2=1027, DQ1=2**40 + 3, DQ2=-2**40 - 3,
+                       DS1=2**40 + 3, DS2=-2**40 - 3, DZ1=2**40 + 3, DZ2=-2**40 - 3, DO1=2**40 + 3,
+                       DO2=-2**40 - 3, DW1=2**40 + 3, DW2=2**41 + 3)
+        args = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", out_ptr="*bf16", ws_ptr="*fp32",
+                    cnt_ptr="*i32", **members, K=K, stride_xm=K, sqn=K, ssk=0, ssn=1, szk=0, szn=0)
+        ce = dict(GK=channel.group_k, GN=channel.group_n, SCALE_PER_TILE=channel.group_k < K, SPLIT_K=cfg.SPLIT_K,
+                  BLOCK_M=16, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, CODE=CODES[channel.value], HAS_ZERO=False,
+                  C=0.0, QA=16)
+        builds.append(TritonBuild("fp8_mma_group", f"fp8_channel BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K} "
+                                  f"w{cfg.num_warps} s{cfg.num_stages} [16x({'+'.join(map(str, Ns))})x{K}]",
+                                  fp8_mma_group_kernel, args, ce, cfg.num_warps, cfg.num_stages))
     return builds
