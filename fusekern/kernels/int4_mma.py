@@ -471,20 +471,17 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     return out
 
 
-def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4Mma,
-                   workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
-    """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
-    they cannot share one: another stride or constant between members (GPTQ's ``[K/8, N]`` words: their
-    strides are N), leaves not a whole number of elements apart, TMA words for some members only (16-byte
-    aligned words: each takes TMA in its own launch). Each output is the member's own ``int4_mma`` launch's with the same config,
-    bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called
-    with a replay of this call (a contiguous x, no workspace given)."""
-    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
+def group_leaves(members, lay: PackedLayout, K: int, Ns: list[int]):
+    """What a grouped launch of int4 weights packed along K shares (``int4_mma_group``, ``int4_mma_sync_group``):
+    (member 0's compile-time arguments without N, each member's words, zeros and scales, members 1 and 2's
+    element offsets of (words, scales, zeros) from member 0's), or None where the members cannot share one
+    program: two to ``MAX_MEMBERS`` members with the same strides and constants (not GPTQ's ``[K/8, N]``
+    words: their strides are N) and leaves a whole number of elements apart. The members' leaves are
+    checked already (``check``)."""
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, _offset
 
     if not 2 <= len(members) <= MAX_MEMBERS:
         return None
-    for leaves, N in zip(members, Ns):
-        check(x, leaves, lay, K, N, cfg)
     consts = [dict(_constexprs(lay, K, N)) for N in Ns]
     for c in consts:
         c.pop("N")
@@ -497,6 +494,27 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
                for i in range(1, len(members))]
     if any(o is None for offs in offsets for o in offs):
         return None
+    return consts[0], words, zeros, scales, offsets
+
+
+def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[int], cfg: Int4Mma,
+                   workspace: torch.Tensor | None = None, record=None) -> list[torch.Tensor] | None:
+    """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
+    they cannot share one: another stride or constant between members (GPTQ's ``[K/8, N]`` words: their
+    strides are N), leaves not a whole number of elements apart, TMA words for some members only (16-byte
+    aligned words: each takes TMA in its own launch). Each output is the member's own ``int4_mma`` launch's with the same config,
+    bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called
+    with a replay of this call (a contiguous x, no workspace given)."""
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, group_outputs, member_fields
+
+    if not 2 <= len(members) <= MAX_MEMBERS:
+        return None
+    for leaves, N in zip(members, Ns):
+        check(x, leaves, lay, K, N, cfg)
+    shared = group_leaves(members, lay, K, Ns)
+    if shared is None:
+        return None
+    consts, words, zeros, scales, offsets = shared
     rec = record is not None and workspace is None and x.is_contiguous()
     x = x.contiguous()
     M = x.shape[0]
@@ -515,7 +533,7 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
     launch = replay.launch(int4_mma_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, *descs, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET, TMA=tma,
+        **consts, BLOCK_N=cfg.BLOCK_N, SPLIT_K=cfg.SPLIT_K, ASM=not _INTERPRET, TMA=tma,
         EVEN_N=all(n % cfg.BLOCK_N == 0 for n in Ns),
         SCALE_FIRST=cfg.scale_first and scales[0].dtype == torch.bfloat16, BLOCK_M=block_m(M),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})),

@@ -543,26 +543,19 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     leaves not a whole number of elements apart, 16-byte loads for some members' words and not others'.
     Each output is the member's own launch's with the same config, bit for bit. workspace: the fp32
     ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay of this call."""
-    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, _offset, group_outputs, member_fields
+    from fusekern.kernels.int4_mma import group_leaves
+    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, group_outputs, member_fields
 
     if not 2 <= len(members) <= MAX_MEMBERS:
         return None
     for leaves, N in zip(members, Ns):
         check(x, leaves, lay, K, N, cfg)
-    consts = [dict(_constexprs(lay, K, N)) for N in Ns]
-    for c in consts:
-        c.pop("N")
-    if any(c != consts[0] for c in consts):
+    shared = group_leaves(members, lay, K, Ns)
+    if shared is None:
         return None
-    words = [_words_i32(leaves, lay) for leaves in members]
-    zeros = [leaves[lay.zero_leaf] if lay.zero in ("packed", "int") else w for leaves, w in zip(members, words)]
-    scales = [leaves[lay.scale] for leaves in members]
-    offsets = [[_offset(t[i], t[0]) if t[i].dtype == t[0].dtype else None for t in (words, scales, zeros)]
-               for i in range(1, len(members))]
-    if any(o is None for offs in offsets for o in offs):
-        return None
-    vec = consts[0]["SQK"] == 1 and all(w.data_ptr() % 16 == 0 for w in words)
-    if consts[0]["SQK"] == 1 and not vec and any(w.data_ptr() % 16 == 0 for w in words):
+    consts, words, zeros, scales, offsets = shared
+    vec = consts["SQK"] == 1 and all(w.data_ptr() % 16 == 0 for w in words)
+    if consts["SQK"] == 1 and not vec and any(w.data_ptr() % 16 == 0 for w in words):
         return None  # (16-byte loads for some members only: not each member's own launch)
     x, rec = _rows(x, record is not None and workspace is None)
     M = x.shape[0]
@@ -572,7 +565,7 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     launch = replay.launch(int4_mma_sync_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
-        **consts[0], **_options(cfg, vec), num_warps=cfg.num_warps), rec)
+        **consts, **_options(cfg, vec), num_warps=cfg.num_warps), rec)
     if rec and launch.replayable:
         record(GemvGroupReplay(launch, M, Ns, x.dtype, cfg.SPLIT_K))
     return outs
