@@ -447,47 +447,36 @@ def test_op_replays_a_program_that_holds_its_table(interpreted, monkeypatch):
     assert torch.equal(got, want) and not torch.equal(got, first)
 
 
-def test_grouped_op_records_and_replays_int4_mma_sync(interpreted, monkeypatch):
-    """The grouped op with ``int4_mma_sync``'s grouped launch chosen: the first call records it, the second
-    replays it (neither launcher is entered) and gives each member's own launch's output."""
+GROUPED_REPLAY_CASES = [  # (format, rows, config, the grouped launcher's module and name, the single launcher)
+    ("int4_k_stack", 3, ims.Int4MmaSync(SPLIT_K=2), (ims, "int4_mma_sync_group"), ims.int4_mma_sync),
+    ("int4_k_stack", 17, im.Int4Mma(64, 1, 4), (im, "int4_mma_group"), im.int4_mma),  # x padded to 32
+    ("int4_k_stack", 17, im.Int4Mma(64, 2, 4), (im, "int4_mma_group"), im.int4_mma),
+    ("fp8_channel", 16, dmg.f8.Fp8Mma(64, 128, 2), (dmg.f8, "fp8_mma_group"), dmg.f8.fp8_mma),
+]
+
+
+@pytest.mark.parametrize("fmt,M,cfg,grouped,single", GROUPED_REPLAY_CASES,
+                         ids=["int4_mma_sync", "int4_mma", "int4_mma_split", "fp8_mma_split"])
+def test_grouped_op_records_and_replays(interpreted, monkeypatch, fmt, M, cfg, grouped, single):
+    """The grouped op with a grouped launch chosen: the first call records it, the second replays it (no
+    launcher is entered) and gives each member's own launch's output."""
     monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    cfg = ims.Int4MmaSync(SPLIT_K=2)
     monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
-    layout = _program("int4_k_stack", 256, 64, x)[2]
-    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
+    x = torch.randn(M, 256, dtype=torch.bfloat16)
+    layout = _program(fmt, 256, 64, x)[2]
+    texts, members = zip(*[_program(fmt, 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
     flat = [t for m in members for t in m]
     first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
-    monkeypatch.setattr(dmg.ims, "int4_mma_sync_group", lambda *a, **k: pytest.fail("not replayed"))
+    monkeypatch.setattr(*grouped, lambda *a, **k: pytest.fail("not replayed"))
     monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: pytest.fail("not the GEMV"))
-    x2 = torch.randn(3, 256, dtype=torch.bfloat16)
+    x2 = torch.randn(M, 256, dtype=torch.bfloat16)
     got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
     lay = dmg.PackedLayout.from_text(layout)
     for g, f, m, n in zip(got, first, members, (64, 40, 24)):
-        assert g.shape == (3, n) and torch.equal(g, ims.int4_mma_sync(x2, m, lay, 256, n, cfg))
+        assert g.shape == (M, n) and torch.equal(g, single(x2, m, lay, 256, n, cfg))
         assert not torch.equal(g, f)
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_grouped_op_records_and_replays_int4_mma(interpreted, monkeypatch, split_k):
-    """The same with ``int4_mma``'s grouped launch (17 rows: x padded to 32), with and without a split."""
-    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    cfg = im.Int4Mma(64, split_k, 4)
-    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
-    x = torch.randn(17, 256, dtype=torch.bfloat16)
-    layout = _program("int4_k_stack", 256, 64, x)[2]
-    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
-    flat = [t for m in members for t in m]
-    first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
-    monkeypatch.setattr(dmg.im, "int4_mma_group", lambda *a, **k: pytest.fail("not replayed"))
-    monkeypatch.setattr(dmg.pg, "gemv_group", lambda *a, **k: pytest.fail("not the GEMV"))
-    x2 = torch.randn(17, 256, dtype=torch.bfloat16)
-    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
-    lay = dmg.PackedLayout.from_text(layout)
-    for g, f, m, n in zip(got, first, members, (64, 40, 24)):
-        assert g.shape == (17, n) and torch.equal(g, im.int4_mma(x2, m, lay, 256, n, cfg))
-        assert not torch.equal(g, f)
 
 def test_grouped_op_drops_tma_for_members_not_all_16_byte_aligned(interpreted, monkeypatch):
     """A TMA ``int4_mma`` config tuned on a layer whose words were all 16-byte aligned, on a layer where one
@@ -509,25 +498,6 @@ def test_grouped_op_drops_tma_for_members_not_all_16_byte_aligned(interpreted, m
     for g, m, n in zip(got, members, (64, 32)):
         assert torch.equal(g, im.int4_mma(x, m, lay, 256, n, plain))
 
-
-def test_grouped_op_records_and_replays_fp8_mma(interpreted, monkeypatch):
-    """The same with ``fp8_mma``'s grouped launch (FP8 per channel, 16 rows, split K)."""
-    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    cfg = dmg.f8.Fp8Mma(64, 128, 2)
-    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: cfg)
-    x = torch.randn(16, 256, dtype=torch.bfloat16)
-    layout = _program("fp8_channel", 256, 64, x)[2]
-    texts, members = zip(*[_program("fp8_channel", 256, n, x, seed)[:2] for seed, n in enumerate((64, 40, 24))])
-    flat = [t for m in members for t in m]
-    first = dmg._decode_mm_group_cuda(x, flat, list(texts), layout)
-    monkeypatch.setattr(dmg.f8, "fp8_mma_group", lambda *a, **k: pytest.fail("not replayed"))
-    x2 = torch.randn(16, 256, dtype=torch.bfloat16)
-    got = dmg._decode_mm_group_cuda(x2, flat, list(texts), layout)
-    lay = dmg.PackedLayout.from_text(layout)
-    for g, f, m, n in zip(got, first, members, (64, 40, 24)):
-        assert g.shape == (16, n) and torch.equal(g, dmg.f8.fp8_mma(x2, m, lay, 256, n, cfg))
-        assert not torch.equal(g, f)
 
 # ----------------------------------------------------------------------------- GPU: replays compute the same
 
