@@ -101,7 +101,8 @@ def test_int4_mma_group_matches_each_launch(K, Ns, M, cfg):
     _check("int4_k_stack", K, list(Ns), M, cfg)
 
 
-@pytest.mark.parametrize("Ns,M,split_k", [((64, 32, 40), 16, 2), ((128, 64), 33, 1)], ids=["three_split", "two_64_rows"])
+@pytest.mark.parametrize("Ns,M,split_k", [((64, 32, 40), 16, 2), ((128, 64), 33, 1)],
+                         ids=["three_split", "two_64_rows"])
 def test_int4_mma_group_tma_matches_each_launch(Ns, M, split_k):
     """With TMA words (each member through its own descriptor): each output is its own TMA launch's."""
     _check("int4_k_stack", 256, list(Ns), M, im.Int4Mma(64, split_k, 4, tma=True, num_stages=3))

@@ -92,8 +92,8 @@ def group_launch(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, work
 
 
 def tuned_choice(x, members, programs, layout):
-    """A grouped launch's config (GEMV, ``int4_mma_sync``, ``int4_mma`` or ``fp8_mma``), or SEPARATE: measured on the first call of a
-    shape (see the module doc)."""
+    """A grouped launch's config (GEMV, ``int4_mma_sync``, ``int4_mma`` or ``fp8_mma``), or SEPARATE: measured on
+    the first call of a shape (see the module doc)."""
     progs = [DecodeProgram.from_text(t) for t in programs]
     if not _groupable(x, members, progs, layout):
         return SEPARATE

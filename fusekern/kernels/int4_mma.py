@@ -502,9 +502,9 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
     """``[x @ W_i for each member]`` in one launch (members: each one's leaves; Ns: their N), or None where
     they cannot share one: another stride or constant between members (GPTQ's ``[K/8, N]`` words: their
     strides are N), leaves not a whole number of elements apart, TMA words for some members only (16-byte
-    aligned words: each takes TMA in its own launch). Each output is the member's own ``int4_mma`` launch's with the same config,
-    bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called
-    with a replay of this call (a contiguous x, no workspace given)."""
+    aligned words: each takes TMA in its own launch). Each output is the member's own ``int4_mma`` launch's
+    with the same config, bit for bit. workspace: the fp32 ``[SPLIT_K * M * sum(Ns)]`` partials of a split
+    launch. record: called with a replay of this call (a contiguous x, no workspace given)."""
     from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, group_outputs, member_fields
 
     if not 2 <= len(members) <= MAX_MEMBERS:
@@ -515,12 +515,6 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
     if shared is None:
         return None
     consts, words, zeros, scales, offsets = shared
-    rec = record is not None and workspace is None and x.is_contiguous()
-    x = x.contiguous()
-    M = x.shape[0]
-    tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
-    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
-                                                           "int4_mma_group")
     descs = [None] * MAX_MEMBERS
     tma = 0
     if cfg.tma:  # every member's words 16-byte aligned, or none through TMA (each as its own launch would)
@@ -530,6 +524,12 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
         tma = made[0][0]
         if tma:
             descs = [d for _, d in made] + [made[-1][1]] * (MAX_MEMBERS - len(made))
+    rec = record is not None and workspace is None and x.is_contiguous()
+    x = x.contiguous()
+    M = x.shape[0]
+    tiles = [cdiv(n, cfg.BLOCK_N) for n in Ns]
+    outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, sum(tiles), workspace,
+                                                           "int4_mma_group")
     launch = replay.launch(int4_mma_group_kernel, (sum(tiles), cfg.SPLIT_K), (
         x, words[0], zeros[0], scales[0], outs[0], ws, cnt, *descs, M, Ns[0],
         *member_fields(tiles, Ns, offsets, out_offsets, ws_offsets)), dict(
