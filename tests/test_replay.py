@@ -478,6 +478,25 @@ def test_grouped_op_records_and_replays(interpreted, monkeypatch, fmt, M, cfg, g
         assert not torch.equal(g, f)
 
 
+def test_grouped_op_runs_members_alone_where_the_tuned_kernel_refuses_the_leaves(interpreted, monkeypatch):
+    """A grouped config tuned on another layer, here whose codes are 2 bytes off a 4-byte boundary (int4_mma
+    reads them as int32 words and refuses them): the members run through their own ops, no error."""
+    monkeypatch.setattr(dmg, "_REPLAYS", dmg.LeafCache())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(dmg, "tuned_choice", lambda *a: im.Int4Mma(64, 2, 4))
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    layout = _program("int4_k_stack", 256, 64, x)[2]
+    texts, members = zip(*[_program("int4_k_stack", 256, n, x, seed)[:2] for seed, n in enumerate((64, 32))])
+    codes = torch.empty(32 * 128 + 2, dtype=torch.uint8)[2:].view(32, 128)
+    codes.copy_(members[1][0])
+    members = [members[0], [codes, *members[1][1:]]]
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        im.int4_mma(x, members[1], dmg.PackedLayout.from_text(layout), 256, 32, im.Int4Mma(64, 2, 4))
+    got = dmg._decode_mm_group_cuda(x, [t for m in members for t in m], list(texts), layout)
+    for g, m, t in zip(got, members, texts):
+        assert torch.equal(g, dm.decode_mm(x, m, t, None, layout))
+
+
 def test_grouped_op_drops_tma_for_members_not_all_16_byte_aligned(interpreted, monkeypatch):
     """A TMA ``int4_mma`` config tuned on a layer whose words were all 16-byte aligned, on a layer where one
     member's are not: the same tiles load the words directly, still one launch (not the members alone)."""

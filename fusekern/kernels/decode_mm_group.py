@@ -168,17 +168,28 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
         for m, p, text in zip(members, progs, programs):  # decode_mm's checks (cached per leaf set)
             dm._check_args(x, m, p, None, text)
         lay, Ns = PackedLayout.from_text(layout), [p.N for p in progs]
-        outs = group_launch(x, members, lay, progs[0].K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
-        if outs is None and isinstance(cfg, pm.PackedGemv) and cfg.vec_k:  # tuned on another layer whose codes were 16-byte aligned: these are
-            # not, so the same tiles read word by word, still one launch
-            outs = pg.gemv_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, vec_k=False),
-                                 record=replay.recorder(_REPLAYS, key, leaves))
-        if outs is None and isinstance(cfg, im.Int4Mma) and cfg.tma:  # the same: words loaded directly
-            outs = im.int4_mma_group(x, members, lay, progs[0].K, Ns, dataclasses.replace(cfg, tma=False, num_stages=1),
-                                     record=replay.recorder(_REPLAYS, key, leaves))
+        try:
+            outs = _grouped(x, members, lay, progs[0].K, Ns, cfg, key, leaves)
+        except ValueError as e:  # tuned on another layer: these leaves do not fit the kernel (e.g. codes not
+            # 4-byte aligned for int4 words); the members' own kernels, each checked and chosen for its leaves
+            log.info("fusekern decode_mm_group: %s does not take this layer's leaves (%s): members run alone", cfg, e)
+            outs = None
         if outs is not None:
             return outs
     return _separate(x, members, programs, layout)
+
+
+def _grouped(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, key, leaves):
+    """The tuned grouped launch for this call, recorded for replay, or None where these members cannot share it."""
+    outs = group_launch(x, members, lay, K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
+    if outs is None and isinstance(cfg, pm.PackedGemv) and cfg.vec_k:  # tuned on another layer whose codes were
+        # 16-byte aligned: these are not, so the same tiles read word by word, still one launch
+        outs = pg.gemv_group(x, members, lay, K, Ns, dataclasses.replace(cfg, vec_k=False),
+                             record=replay.recorder(_REPLAYS, key, leaves))
+    if outs is None and isinstance(cfg, im.Int4Mma) and cfg.tma:  # the same: words loaded directly
+        outs = im.int4_mma_group(x, members, lay, K, Ns, dataclasses.replace(cfg, tma=False, num_stages=1),
+                                 record=replay.recorder(_REPLAYS, key, leaves))
+    return outs
 
 
 torch.library.impl("fusekern::decode_mm_group", "CUDA")(_decode_mm_group_cuda)  # (kept callable: tests, direct_calls)
