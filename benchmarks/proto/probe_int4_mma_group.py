@@ -27,6 +27,7 @@ from fusekern.kernels import decode_mm_group as dmg  # noqa: E402
 from fusekern.kernels import int4_mma as im  # noqa: E402
 from fusekern.kernels import packed_mm as pm  # noqa: E402
 from fusekern.kernels.device_info import sm_count  # noqa: E402
+from fusekern.kernels.intmath import next_power_of_2  # noqa: E402
 from fusekern.patterns.decode.program import DecodeProgram  # noqa: E402
 from fusekern.testing import rel_err  # noqa: E402
 
@@ -54,20 +55,11 @@ def main():
         made = [zoo_weight("int4_k_stack", n, K) for n in Ns]
         texts, members, lay = [m[0] for m in made], [m[1] for m in made], made[0][2]
         layout = lay.to_text()
-        sets = copies_for_cold([t for m in members for t in m]) if args.cold else [[t for m in members for t in m]]
-        per = [len(m) for m in members]
-
-        def split(flat):
-            out, i = [], 0
-            for n in per:
-                out.append(flat[i:i + n])
-                i += n
-            return out
-        member_sets = [split(s) for s in sets]
-        floor = sum(floor_us(m, n, K, 1) for m, n in zip(members, Ns))  # (x's bytes are added per M below)
+        flat = [t for m in members for t in m]
+        member_sets = [dmg.split_leaves(s, texts) for s in (copies_for_cold(flat) if args.cold else [flat])]
         for M in (int(v) for v in args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            fl = floor + sum(2 * (M - 1) * (K + n) for n in Ns) / 4.3e12 * 1e6
+            fl = sum(floor_us(m, n, K, M) for m, n in zip(members, Ns))
             refs = [pm.packed_mm_reference(x, m, lay, K, n) for m, n in zip(members, Ns)]
             rows = []
 
@@ -91,8 +83,8 @@ def main():
 
             record("separate (each member's decode_mm op)",
                    lambda ms: [dm.decode_mm(x, m, t, None, layout) for m, t in zip(ms, texts)])
-            bucket = max(16, 1 << (M - 1).bit_length())
-            for cfg in dmg.group_candidates(bucket, sum(Ns), K, sm_count(x.device), lay):
+            for cfg in dmg.group_candidates(next_power_of_2(M),  # (the tuner's row bucket)
+                                             sum(Ns), K, sm_count(x.device), lay):
                 if isinstance(cfg, im.Int4Mma):
                     name = (f"int4_mma_group BLOCK_N={cfg.BLOCK_N} SPLIT_K={cfg.SPLIT_K}"
                             f"{' tma' if cfg.tma else ''}{' scale_first' if cfg.scale_first else ''}")
