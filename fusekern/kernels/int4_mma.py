@@ -471,17 +471,19 @@ def int4_mma(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: In
     return out
 
 
-def group_leaves(members, lay: PackedLayout, K: int, Ns: list[int]):
+def group_leaves(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, check_member):
     """What a grouped launch of int4 weights packed along K shares (``int4_mma_group``, ``int4_mma_sync_group``):
     (member 0's compile-time arguments without N, each member's words, zeros and scales, members 1 and 2's
     element offsets of (words, scales, zeros) from member 0's), or None where the members cannot share one
     program: two to ``MAX_MEMBERS`` members with the same strides and constants (not GPTQ's ``[K/8, N]``
-    words: their strides are N) and leaves a whole number of elements apart. The members' leaves are
-    checked already (``check``)."""
+    words: their strides are N) and leaves a whole number of elements apart. Each member is first checked as
+    its own launch would be (``check_member(x, leaves, lay, K, N, cfg)``: bad input raises)."""
     from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, _offset
 
     if not 2 <= len(members) <= MAX_MEMBERS:
         return None
+    for leaves, N in zip(members, Ns):
+        check_member(x, leaves, lay, K, N, cfg)
     consts = [dict(_constexprs(lay, K, N)) for N in Ns]
     for c in consts:
         c.pop("N")
@@ -507,11 +509,7 @@ def int4_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list
     launch. record: called with a replay of this call (a contiguous x, no workspace given)."""
     from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, group_outputs, member_fields
 
-    if not 2 <= len(members) <= MAX_MEMBERS:
-        return None
-    for leaves, N in zip(members, Ns):
-        check(x, leaves, lay, K, N, cfg)
-    shared = group_leaves(members, lay, K, Ns)
+    shared = group_leaves(x, members, lay, K, Ns, cfg, check)
     if shared is None:
         return None
     consts, words, zeros, scales, offsets = shared

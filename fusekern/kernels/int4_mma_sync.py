@@ -544,13 +544,9 @@ def int4_mma_sync_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns:
     Each output is the member's own launch's with the same config, bit for bit. workspace: the fp32
     ``[SPLIT_K * M * sum(Ns)]`` partials of a split launch. record: called with a replay of this call."""
     from fusekern.kernels.int4_mma import group_leaves
-    from fusekern.kernels.packed_gemv_group import MAX_MEMBERS, GemvGroupReplay, group_outputs, member_fields
+    from fusekern.kernels.packed_gemv_group import GemvGroupReplay, group_outputs, member_fields
 
-    if not 2 <= len(members) <= MAX_MEMBERS:
-        return None
-    for leaves, N in zip(members, Ns):
-        check(x, leaves, lay, K, N, cfg)
-    shared = group_leaves(members, lay, K, Ns)
+    shared = group_leaves(x, members, lay, K, Ns, cfg, check)
     if shared is None:
         return None
     consts, words, zeros, scales, offsets = shared
