@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "benchmarks/proto")
 from fusekern.kernels import cute_scaled_mm as csm  # noqa: E402
-from block_scaled_wide_probe import (Base, BaseMcast, Multicast, _use, compile_only, time_variants,  # noqa: E402
+from block_scaled_wide_probe import (Base, BaseMcast, Multicast, _use, compile_only, time_shapes,  # noqa: E402
                                      write_csv)
 
 import cutlass  # noqa: E402
@@ -290,26 +290,15 @@ def main():
         accuracy([int(k) for k in args.accuracy.split(",")], args.csv)
         return
 
-    from bench_common import versions, warm_up_clocks
+    write_csv(args.csv, time_shapes(args.shapes.split(","), args.variants.split(","), VARIANTS, args.rounds,
+                                    _family, _spread_scales))
 
-    warm_up_clocks()
-    info = versions()
-    rows = []
-    for shape in args.shapes.split(","):
-        M, N, K = (int(v) for v in shape.split("x"))
-        torch.manual_seed(0)
-        a = (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn)
-        b = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
-        kb, nb = -(-K // 128), -(-N // 128)
-        # scales spread over 2^-8 .. 2^8 (as activation scales of different blocks can be) and any sign
-        sa = torch.exp2(torch.rand(M, kb, device="cuda") * 16 - 8)
-        sb = torch.exp2(torch.rand(nb, kb, device="cuda") * 16 - 8) * (torch.randint(0, 2, (nb, kb), device="cuda") * 2 - 1)
-        ref = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double()).float()
-        ref_row = (a.float() @ b.float().t())
-        rows += time_variants(args.variants.split(","), VARIANTS, args.rounds, a, b, sa, sb, ref, ref_row,
-                              _family, info)
-    _use(Base, (128, 128))
-    write_csv(args.csv, rows)
+
+def _spread_scales(M, N, kb, nb):
+    """Block scales spread over 2^-8 .. 2^8 (as activation scales of different blocks can be), b's of any sign."""
+    sa = torch.exp2(torch.rand(M, kb, device="cuda") * 16 - 8)
+    sb = torch.exp2(torch.rand(nb, kb, device="cuda") * 16 - 8) * (torch.randint(0, 2, (nb, kb), device="cuda") * 2 - 1)
+    return sa, sb
 
 
 if __name__ == "__main__":

@@ -247,25 +247,34 @@ def main():
     if args.compile_only:
         sys.exit(compile_only(args.compile_only))
 
+    write_csv(args.csv, time_shapes(args.shapes.split(","), args.variants.split(","), VARIANTS, args.rounds,
+                                    lambda name: (VARIANTS[name][1], VARIANTS[name][2]), _unit_scales))
+
+
+def _unit_scales(M, N, kb, nb):
+    """Block scales in [0.5, 1.5)."""
+    return torch.rand(M, kb, device="cuda") + 0.5, torch.rand(nb, kb, device="cuda") + 0.5
+
+
+def time_shapes(shapes, names, variants, rounds, family_of, block_scales) -> list:
+    """``time_variants`` at each ``MxNxK`` of shapes, on seeded random e4m3 operands with block scales from
+    ``block_scales(M, N, K blocks, N blocks)``; the shipped kernel class is put back afterwards."""
     from bench_common import versions, warm_up_clocks
 
     warm_up_clocks()
     info = versions()
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         M, N, K = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         a = (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn)
         b = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
-        kb, nb = -(-K // 128), -(-N // 128)
-        sa = torch.rand(M, kb, device="cuda") + 0.5
-        sb = torch.rand(nb, kb, device="cuda") + 0.5
+        sa, sb = block_scales(M, N, -(-K // 128), -(-N // 128))
         ref = csm._block_scaled_product(a.double(), b.double(), sa.double(), sb.double()).float()
         ref_row = (a.float() @ b.float().t())
-        rows += time_variants(args.variants.split(","), VARIANTS, args.rounds, a, b, sa, sb, ref, ref_row,
-                              lambda name: (VARIANTS[name][1], VARIANTS[name][2]), info)
+        rows += time_variants(names, variants, rounds, a, b, sa, sb, ref, ref_row, family_of, info)
     _use(Base, (128, 128))
-    write_csv(args.csv, rows)
+    return rows
 
 
 if __name__ == "__main__":
