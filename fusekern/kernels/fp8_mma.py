@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
+from fusekern.kernels.group_member import pick as pick_member
 from fusekern.kernels.int4_mma import check_rows_and_bias, split_buffers
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.leaf_cache import LeafCache
@@ -127,12 +128,12 @@ def fp8_mma_group_kernel(
     pid = tl.program_id(0)
     in1 = pid >= T1
     in2 = pid >= T2
-    first = _pick(in1, in2, 0, T1, T2)  # the member's first column tile
-    fp8_program(pid - first, tl.program_id(1), x_ptr, q_ptr + _pick(in1, in2, 0, DQ1, DQ2) * QA,
-                s_ptr + _pick(in1, in2, 0, DS1, DS2), s_ptr, out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
-                ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr + first, M, _pick(in1, in2, N, N1, N2), K, stride_xm,
+    first = pick_member(in1, in2, 0, T1, T2)  # the member's first column tile
+    fp8_program(pid - first, tl.program_id(1), x_ptr, q_ptr + pick_member(in1, in2, 0, DQ1, DQ2) * QA,
+                s_ptr + pick_member(in1, in2, 0, DS1, DS2), s_ptr, out_ptr, out_ptr + pick_member(in1, in2, 0, DO1, DO2),
+                ws_ptr + pick_member(in1, in2, 0, DW1, DW2), cnt_ptr + first, M, pick_member(in1, in2, N, N1, N2), K, stride_xm,
                 sqn, ssk, ssn, GK, GN, SCALE_PER_TILE, False, False, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                z_ptr + _pick(in1, in2, 0, DZ1, DZ2), szk, szn, CODE, HAS_ZERO, C)
+                z_ptr + pick_member(in1, in2, 0, DZ1, DZ2), szk, szn, CODE, HAS_ZERO, C)
 
 
 @triton.jit
@@ -184,12 +185,6 @@ def fp8_program(pid_n, pid_k, x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_
             _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
     else:
         _store(acc, g_ptr, bias_ptr, out_ptr, n2, m2, mask, N, HAS_GLOBAL, HAS_BIAS)
-
-
-@triton.jit
-def _pick(in1, in2, v0, v1, v2):
-    """v0, v1 or v2 for a program of member 0, 1 or 2."""
-    return tl.where(in2, v2, tl.where(in1, v1, v0))
 
 
 @triton.jit

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
+from fusekern.kernels.group_member import pick as pick_member
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
@@ -267,14 +268,14 @@ def int4_mma_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, 
     pid = tl.program_id(0)
     in1 = pid >= T1
     in2 = pid >= T2
-    first = _pick(in1, in2, 0, T1, T2)  # the member's first column tile
+    first = pick_member(in1, in2, 0, T1, T2)  # the member's first column tile
     pid_n = pid - first
-    q = q_ptr + _pick(in1, in2, 0, DQ1, DQ2)
-    z = z_ptr + _pick(in1, in2, 0, DZ1, DZ2)
-    s = s_ptr + _pick(in1, in2, 0, DS1, DS2)
-    out = out_ptr + _pick(in1, in2, 0, DO1, DO2)
-    ws = ws_ptr + _pick(in1, in2, 0, DW1, DW2)
-    n = _pick(in1, in2, N, N1, N2)
+    q = q_ptr + pick_member(in1, in2, 0, DQ1, DQ2)
+    z = z_ptr + pick_member(in1, in2, 0, DZ1, DZ2)
+    s = s_ptr + pick_member(in1, in2, 0, DS1, DS2)
+    out = out_ptr + pick_member(in1, in2, 0, DO1, DO2)
+    ws = ws_ptr + pick_member(in1, in2, 0, DW1, DW2)
+    n = pick_member(in1, in2, N, N1, N2)
     if TMA == 0:
         mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, None, M, n,
                     EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, 0, SCALE_FIRST,
@@ -291,12 +292,6 @@ def int4_mma_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, 
         mma_program(pid_n, tl.program_id(1), x_ptr, q, z, s, out_ptr, out, ws, cnt_ptr + first, q_desc, M, n,
                     EVEN_N, K, SQK, SQN, ZMODE, C, SZK, SZN, SSK, SSN, False, BLOCK_N, SPLIT_K, ASM, TMA,
                     SCALE_FIRST, BLOCK_M)
-
-
-@triton.jit
-def _pick(in1, in2, v0, v1, v2):
-    """v0, v1 or v2 for a program of member 0, 1 or 2."""
-    return tl.where(in2, v2, tl.where(in1, v1, v0))
 
 
 @triton.jit

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from fusekern.kernels import replay
+from fusekern.kernels.group_member import pick as pick_member
 from fusekern.kernels.int4_mma import (
     GROUP, _GROUP, _constexprs, _round_to, _words_i32, _zero_of, check_k_leaves, check_rows_and_bias, layout_fits,
     split_buffers,
@@ -274,12 +275,6 @@ def int4_mma_sync_kernel(x_ptr, q_ptr, z_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, 
                  GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
 
 
-@triton.jit
-def _pick(in1, in2, v0, v1, v2):
-    """v0, v1 or v2 for a program of member 0, 1 or 2 (in1: member >= 1, in2: member 2)."""
-    return tl.where(in2, v2, tl.where(in1, v1, v0))
-
-
 @triton.jit(do_not_specialize=["M", "N", "T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1",
                                "DO2", "DW1", "DW2"])  # (offsets between allocations change per weight)
 def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
@@ -296,10 +291,10 @@ def int4_mma_sync_group_kernel(x_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ws_ptr, cnt_
     pid = tl.program_id(0)
     in1 = pid >= T1
     in2 = pid >= T2
-    sync_program(pid - _pick(in1, in2, 0, T1, T2), pid, tl.program_id(1), x_ptr,
-                 q_ptr + _pick(in1, in2, 0, DQ1, DQ2), z_ptr + _pick(in1, in2, 0, DZ1, DZ2),
-                 s_ptr + _pick(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
-                 ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, _pick(in1, in2, N, N1, N2), K, SQK, SQN,
+    sync_program(pid - pick_member(in1, in2, 0, T1, T2), pid, tl.program_id(1), x_ptr,
+                 q_ptr + pick_member(in1, in2, 0, DQ1, DQ2), z_ptr + pick_member(in1, in2, 0, DZ1, DZ2),
+                 s_ptr + pick_member(in1, in2, 0, DS1, DS2), out_ptr, out_ptr + pick_member(in1, in2, 0, DO1, DO2),
+                 ws_ptr + pick_member(in1, in2, 0, DW1, DW2), cnt_ptr, M, pick_member(in1, in2, N, N1, N2), K, SQK, SQN,
                  ZMODE, C, SZK, SZN, SSK, SSN, False, SPLIT_K, GROUPS_PER_WARP, VEC, ASM, THREADS, PREFETCH, UNROLL)
 
 

@@ -26,18 +26,13 @@ import triton.language as tl
 
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
+from fusekern.kernels.group_member import pick as pick_member
 from fusekern.kernels.intmath import cdiv
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
 MAX_MEMBERS = 3
 _MEMBER_ARGS = ["T1", "T2", "N1", "N2", "DQ1", "DQ2", "DS1", "DS2", "DZ1", "DZ2", "DO1", "DO2", "DW1", "DW2"]
-
-
-@triton.jit
-def _pick(in1, in2, v0, v1, v2):
-    """v0, v1 or v2 for a program of member 0, 1 or 2 (in1: member >= 1, in2: member 2)."""
-    return tl.where(in2, v2, tl.where(in1, v1, v0))
 
 
 @triton.jit(do_not_specialize=_MEMBER_ARGS)  # offsets between allocations change per weight: one compile
@@ -61,15 +56,15 @@ def packed_gemv_group_kernel(
     pid = tl.program_id(0)
     in1 = pid >= T1
     in2 = pid >= T2
-    n = _pick(in1, in2, N, N1, N2)
-    first = _pick(in1, in2, 0, T1, T2)
-    dq = _pick(in1, in2, 0, DQ1, DQ2)
+    n = pick_member(in1, in2, N, N1, N2)
+    first = pick_member(in1, in2, 0, T1, T2)
+    dq = pick_member(in1, in2, 0, DQ1, DQ2)
     if QALIGN > 1:  # (a multiple already: the product tells the compiler, where tl.multiple_of on a scalar did not)
         dq = (dq // QALIGN) * QALIGN
     pm.gemv_program(pid - first, pid, tl.program_id(1), tl.program_id(2), x_ptr,
-                    q_ptr + dq, s_ptr + _pick(in1, in2, 0, DS1, DS2),
-                    z_ptr + _pick(in1, in2, 0, DZ1, DZ2), g_ptr, out_ptr, out_ptr + _pick(in1, in2, 0, DO1, DO2),
-                    ws_ptr + _pick(in1, in2, 0, DW1, DW2), cnt_ptr, M, n, K, KW,
+                    q_ptr + dq, s_ptr + pick_member(in1, in2, 0, DS1, DS2),
+                    z_ptr + pick_member(in1, in2, 0, DZ1, DZ2), g_ptr, out_ptr, out_ptr + pick_member(in1, in2, 0, DO1, DO2),
+                    ws_ptr + pick_member(in1, in2, 0, DW1, DW2), cnt_ptr, M, n, K, KW,
                     stride_xm, stride_xk, sqk, sqn, ssk, ssn, szk, szn, n, 1,
                     BITS, P, KPOS, VALUE, WORD_I32, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN, HAS_GLOBAL,
                     False, SPLIT_K, BLOCK_N, BLOCK_K, VEC_K, ASM, EVEN, I64)
