@@ -180,16 +180,24 @@ def _decode_mm_group_cuda(x, leaves, programs, layout):
 
 
 def _grouped(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, key, leaves):
-    """The tuned grouped launch for this call, recorded for replay, or None where these members cannot share it."""
+    """The tuned grouped launch for this call, recorded for replay, or None where these members cannot share it.
+    A config tuned on another layer whose codes were all 16-byte aligned may meet a layer where they are not:
+    then the same tiles with plain loads, still one launch."""
     outs = group_launch(x, members, lay, K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
-    if outs is None and isinstance(cfg, pm.PackedGemv) and cfg.vec_k:  # tuned on another layer whose codes were
-        # 16-byte aligned: these are not, so the same tiles read word by word, still one launch
-        outs = pg.gemv_group(x, members, lay, K, Ns, dataclasses.replace(cfg, vec_k=False),
-                             record=replay.recorder(_REPLAYS, key, leaves))
-    if outs is None and isinstance(cfg, im.Int4Mma) and cfg.tma:  # the same: words loaded directly
-        outs = im.int4_mma_group(x, members, lay, K, Ns, dataclasses.replace(cfg, tma=False, num_stages=1),
-                                 record=replay.recorder(_REPLAYS, key, leaves))
+    plain = _plain_loads(cfg)
+    if outs is None and plain is not None:
+        outs = group_launch(x, members, lay, K, Ns, plain, record=replay.recorder(_REPLAYS, key, leaves))
     return outs
+
+
+def _plain_loads(cfg):
+    """cfg without the loads that need every member's codes 16-byte aligned (the GEMV's K vectors,
+    ``int4_mma``'s TMA), or None where it has none."""
+    if isinstance(cfg, pm.PackedGemv) and cfg.vec_k:
+        return dataclasses.replace(cfg, vec_k=False)
+    if isinstance(cfg, im.Int4Mma) and cfg.tma:
+        return dataclasses.replace(cfg, tma=False, num_stages=1)
+    return None
 
 
 torch.library.impl("fusekern::decode_mm_group", "CUDA")(_decode_mm_group_cuda)  # (kept callable: tests, direct_calls)
