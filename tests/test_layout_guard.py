@@ -176,6 +176,44 @@ def test_module_with_buffers_compiles_to_eager(packing):
         assert any("gathered by data" in r for r in reasons), reasons
 
 
+class AWQBufferLinear(torch.nn.Module):
+    """AWQ with its shift table held in a buffer (not built in forward): the graph passes it like a weight."""
+
+    def __init__(self, qweight, qzeros, scales, shifts):
+        super().__init__()
+        for name, t in zip(("qweight", "qzeros", "scales", "shifts"), (qweight, qzeros, scales, shifts)):
+            self.register_buffer(name, t)
+
+    def forward(self, x):
+        k = self.qweight.shape[0]
+        w = ((self.qweight[:, :, None] >> self.shifts) & 15).reshape(k, -1)
+        z = ((self.qzeros[:, :, None] >> self.shifts) & 15).reshape(self.qzeros.shape[0], -1)
+        g = k // self.scales.shape[0]
+        w = (w - torch.repeat_interleave(z, g, dim=0)).to(x.dtype) * torch.repeat_interleave(self.scales, g, dim=0)
+        return x @ w
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+@pytest.mark.parametrize("order", ["awq", "sequential", "other"])
+def test_a_buffered_shift_table_is_read_as_the_one_the_example_holds(order):
+    """The candidate tables are tried in turn (sequential first): the first whose layout derives used to be
+    taken even where the example input held AWQ's order, and the rewrite then declined, leaving AWQ with a
+    buffered table to the generated kernel. A table that is neither runs the generated kernel, as before."""
+    import fusekern
+    from fusekern.patterns.decode.formats import AWQ_ORDER
+
+    torch.manual_seed(2)
+    qweight, qzeros, scales = BY_NAME["awq"].make(K, N, G, "cpu")
+    fields = {"awq": [4 * j for j in AWQ_ORDER], "sequential": list(range(0, 32, 4)),
+              "other": [28, 24, 20, 16, 12, 8, 4, 0]}[order]
+    m = AWQBufferLinear(qweight, qzeros, scales, torch.tensor(fields, dtype=torch.int32))
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+    assert_compiled(m, (x,), fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+    notes = [r.reason for g in fusekern.match_report().graphs for r in g.notes if r.pattern == "decode_matmul"]
+    expected = {"awq": "awq, 4-bit", "sequential": "int4, 4-bit", "other": "generic decode"}[order]
+    assert any(n.startswith(expected) for n in notes), notes
+
+
 def test_a_narrowing_cast_of_g_idx_is_not_read_as_sorted():
     """``scales[g.bool().long()]`` reads rows 0 / 1, not the leaf's values: no k // G reading, eager's result."""
     def fn(x, qweight, qzeros, scales, g_idx):

@@ -194,6 +194,8 @@ def _guarded_variant(cone: Cone, prog: DecodeProgram, constants: dict):
         assumed = {i: v for P, v in zip(sizes, values) if v is not None for i in by_size[P]}
         if not assumed and not checks:
             continue  # (nothing assumed: the plain derivation already failed)
+        if not all(_example_allows(cone, i, ("values", tuple(v))) for i, v in assumed.items()):
+            continue  # the input this graph is compiled for holds another table (AWQ's order, not sequential)
         known = {**constants, **{i: torch.tensor(v, dtype=base.leaves[i].dtype).reshape(base.leaves[i].shape)
                                  for i, v in assumed.items()}}
         fmt = recognize(base, known)
@@ -220,10 +222,15 @@ def _guarded_variant(cone: Cone, prog: DecodeProgram, constants: dict):
     for i, (kind, param) in checks.items():
         # The example input this graph is compiled for (the first layer's g_idx): where it fails, an act-order
         # checkpoint, every layer would run the program instead, slower than stock (measured): decline.
-        example = example_inputs.value_of(cone.leaves[i])
-        if example is not None and not layout_guard.holds(example.detach(), kind, param):
+        if not _example_allows(cone, i, (kind, param)):
             return None
     return base, fmt, layout, checks
+
+
+def _example_allows(cone: Cone, i: int, check: tuple) -> bool:
+    """Whether the example input this graph is compiled for, where there is one, passes ``check`` at leaf i."""
+    example = example_inputs.value_of(cone.leaves[i])
+    return example is None or layout_guard.holds(example.detach(), *check)
 
 
 def _same_weight(prog: DecodeProgram, base: DecodeProgram, layout, checks: dict, constants: dict) -> bool:
