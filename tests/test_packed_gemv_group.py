@@ -171,6 +171,33 @@ def members_in_one_buffer(K: int, skew: int):
     return x, [[q0, *made[0][0][1:]], [q1, *made[1][0][1:]]], made[0][1]
 
 
+@pytest.mark.parametrize("gap", [2**31, -2**31, 2**33], ids=["2GiB_after", "2GiB_before", "8GiB_after"])
+def test_fp8_mma_group_members_gigabytes_apart(gap):
+    """Members' codes 16-byte multiples apart take the aligned build (QA = 16), whose offset once came
+    divided by 16 and was multiplied back in 32 bits: from 2 GiB apart it wrapped and member 1 read other
+    memory. One CPU buffer holds both (pages never written cost nothing); each output must be its own
+    launch's."""
+    K, Ns = 256, [64, 40]
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+    made = [member("fp8_channel", K, n, x, seed) for seed, n in enumerate(Ns)]
+    lay, dt = made[0][1], made[0][0][0].dtype
+    span = abs(gap) + max(Ns) * K
+    buf = torch.empty(span + 64, dtype=torch.uint8)
+    starts = (0, gap) if gap > 0 else (-gap, 0)
+    codes = []
+    for (leaves, _), n, at in zip(made, Ns, starts):
+        q = buf[at:at + n * K].view(dt).view(n, K)
+        q.copy_(leaves[0])
+        codes.append(q)
+    assert (codes[1].data_ptr() - codes[0].data_ptr()) == gap
+    members = [[q, *leaves[1:]] for q, (leaves, _) in zip(codes, made)]
+    cfg = f8.Fp8Mma(64, 128, 1)
+    outs = f8.fp8_mma_group(x, members, lay, K, Ns, cfg)
+    assert outs is not None
+    for o, m, n in zip(outs, members, Ns):
+        assert torch.equal(o, f8.fp8_mma(x, m, lay, K, n, cfg))
+
+
 def check_vector_k_alignment():
     """Aligned members take a K-vector config as one launch, each output its own launch's; members one of
     whose codes start 4 bytes off 16 are refused (None: the hint would be false), and run grouped with

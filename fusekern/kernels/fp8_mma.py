@@ -120,7 +120,7 @@ def fp8_mma_group_kernel(
 ):
     """Two or three weights that multiply the same x, in one launch (as ``packed_gemv_group``): member 0
     owns column tiles [0, T1), member 1 [T1, T2), member 2 [T2, tiles); N, N1, N2 are their widths, D*1 /
-    D*2 the element offsets of members 1 and 2's codes (in units of QA bytes), scales, zeros, outputs ([M,
+    D*2 the element offsets of members 1 and 2's codes, scales, zeros, outputs ([M,
     N_i]) and split-K partials from member 0's; the strides are every member's. A member's split-K counters
     follow the previous member's. No global scale and no bias (the grouped op has neither). QA = 16: the
     members' codes lie 16-byte multiples apart, which the compiler then knows (otherwise it cannot vectorize
@@ -129,7 +129,10 @@ def fp8_mma_group_kernel(
     in1 = pid >= T1
     in2 = pid >= T2
     first = pick_member(in1, in2, 0, T1, T2)  # the member's first column tile
-    fp8_program(pid - first, tl.program_id(1), x_ptr, q_ptr + pick_member(in1, in2, 0, DQ1, DQ2) * QA,
+    dq = pick_member(in1, in2, 0, DQ1, DQ2)
+    if QA > 1:  # (a multiple already: the product tells the compiler. The offset is passed whole, not divided by
+        dq = (dq // QA) * QA  # QA, which a 32-bit multiply back would wrap from 2 GiB apart)
+    fp8_program(pid - first, tl.program_id(1), x_ptr, q_ptr + dq,
                 s_ptr + pick_member(in1, in2, 0, DS1, DS2), s_ptr, out_ptr, out_ptr + pick_member(in1, in2, 0, DO1, DO2),
                 ws_ptr + pick_member(in1, in2, 0, DW1, DW2), cnt_ptr + first, M, pick_member(in1, in2, N, N1, N2), K, stride_xm,
                 sqn, ssk, ssn, GK, GN, SCALE_PER_TILE, False, False, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -346,7 +349,6 @@ def fp8_mma_group(x: torch.Tensor, members, lay: PackedLayout, K: int, Ns: list[
     if any(o is None for offs in offsets for o in offs):
         return None
     qa = 16 if all(offs[0] % 16 == 0 for offs in offsets) else 1
-    offsets = [[offs[0] // qa, *offs[1:]] for offs in offsets]
     rec = record is not None and workspace is None
     if x.stride(1) != 1:  # (x is at most 16 rows)
         x, rec = x.contiguous(), False
