@@ -165,6 +165,39 @@ def _skewed_int8_group():
     return x, members, programs, lay.to_text(), lay
 
 
+def test_a_layer_whose_codes_start_unaligned_does_not_decide_for_the_others(monkeypatch):
+    """1-byte codes are read as int32 words where they start 4-byte aligned. One layer whose second member
+    starts 1 byte off cannot share a launch with its first (another word reading), but another layer's
+    leaves for the same programs may: that layer's members run apart and nothing is cached for the others."""
+    from test_packed_gemv_group import member
+
+    from fusekern.patterns.decode.formats import recognize
+    from fusekern.patterns.decode.layout import derive_layout
+    from fusekern.patterns.decode.program import DecodeProgram
+    from fusekern.testing.decode_cones import decode_program
+    from fusekern.testing.decode_zoo import BY_NAME
+
+    monkeypatch.setattr(dmg, "_groupable", lambda *a: True)  # (x on the CPU)
+    monkeypatch.setattr(dmg, "_tuned", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
+    K, Ns = 256, (64, 40)
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    made = [member("int8_channel", K, n, x, seed) for seed, n in enumerate(Ns)]
+    buf = torch.zeros(Ns[1] * K + 16, dtype=torch.int8)
+    q1 = buf[1:1 + Ns[1] * K].view(Ns[1], K)
+    q1.copy_(made[1][0][0])
+    members = [made[0][0], [q1, *made[1][0][1:]]]
+    programs, layout = [], None
+    for m in members:
+        text, _, consts = decode_program(BY_NAME["int8_channel"].fn, x, *m)
+        prog = DecodeProgram.from_text(text)
+        layout = derive_layout(prog, recognize(prog, consts), consts).to_text()
+        programs.append(text)
+    assert dmg.pg.group_args(x, members, dmg.PackedLayout.from_text(layout), K, list(Ns)) is None
+    assert dmg.tuned_choice(x, members, programs, layout) == dmg.SEPARATE
+    assert dmg._tuned == {}
+
+
 def check_vector_k_choice_met_by_skewed_codes(monkeypatch):
     """A K-vector config tuned on a layer whose codes were 16-byte aligned, met by members that are not,
     runs as the same tiles read word by word: one grouped launch, each member's output its own launch's."""

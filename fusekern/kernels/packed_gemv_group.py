@@ -76,15 +76,15 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
     return d // base.element_size() if d % base.element_size() == 0 else None
 
 
-def _one_program(members: list, lay: PackedLayout, K: int, Ns: list[int]):
+def _one_program(members: list, lay: PackedLayout, K: int, Ns: list[int], anywhere: bool = False):
     """(word reading, member 0's pointers, strides and constexprs, every member's) where one program serves
-    all members, else None. This depends on the programs and layout only (a leaf's strides are its
-    program's), not on where the leaves lie."""
+    all members, else None. This depends on the programs and layout (a leaf's strides are its program's)
+    and on whether 1-byte codes start 4-byte aligned (read as words), unless ``anywhere``: as if they did."""
     if not 2 <= len(members) <= MAX_MEMBERS or lay.pack_axis == "N" or lay.glob >= 0:
         return None
     words, common = [], []
     for leaves, N in zip(members, Ns):
-        w = pm._words(lay, leaves[lay.code])
+        w = pm._words(lay, leaves[lay.code], anywhere)
         words.append(w)
         common.append(pm._common(lay, leaves, K, N, w[0]))
     if any(w != words[0] for w in words) or any(c[1:] != common[0][1:] for c in common):
@@ -93,9 +93,10 @@ def _one_program(members: list, lay: PackedLayout, K: int, Ns: list[int]):
 
 
 def one_program(members: list, lay: PackedLayout, K: int, Ns: list[int]) -> bool:
-    """Can one program serve these members, wherever their leaves lie? (``group_args`` also needs the
-    leaves a whole number of elements apart.)"""
-    return _one_program(members, lay, K, Ns) is not None
+    """Can one program serve these members, wherever their leaves lie (another layer's leaves for the same
+    programs may start aligned where these do not)? ``group_args`` also needs the leaves where they are to
+    agree and a whole number of elements apart."""
+    return _one_program(members, lay, K, Ns, anywhere=True) is not None
 
 
 def group_args(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: list[int]):

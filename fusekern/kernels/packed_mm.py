@@ -719,14 +719,15 @@ def fits(lay: PackedLayout, cfg) -> bool:
     return True
 
 
-def _words(lay: PackedLayout, q: torch.Tensor | None = None):
+def _words(lay: PackedLayout, q: torch.Tensor | None = None, anywhere: bool = False):
     """(read as int32 words?, values per loaded word, field order) for the GEMV: 1-byte codes contiguous
-    along K are read four bytes at a time."""
+    along K are read four bytes at a time. anywhere: as if q started 4-byte aligned (what q's program
+    allows, wherever its storage lies)."""
     if lay.pack_axis == "N" or lay.bits * lay.per_word != 8:
         return False, lay.per_word, lay.order
     if q is not None:
         kdim = lay.code_dims.index("k")
-        if q.stride(kdim) != 1 or q.shape[kdim] % 4 or q.data_ptr() % 4 \
+        if q.stride(kdim) != 1 or q.shape[kdim] % 4 or (q.data_ptr() % 4 and not anywhere) \
                 or any(st % 4 for d, st in enumerate(q.stride()) if d != kdim and q.shape[d] > 1):
             return False, lay.per_word, lay.order
     p = lay.per_word
