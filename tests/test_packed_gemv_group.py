@@ -309,11 +309,13 @@ def test_gpu_fp8_mma_group_every_config_the_tuner_may_pick(fmt, Ns):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_k_stack", "int8_channel", "fp8_channel"])
-@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
+@pytest.mark.parametrize("Ns", [(4096, 1024, 1024), (14336, 14336), (4096, 1000, 1000)],
+                         ids=["qkv", "gate_up", "uneven"])
 def test_gpu_every_config_the_tuner_may_pick(fmt, Ns):
     """At a decoder's q / k / v and gate / up shapes, every GEMV (and, for int4, ``int4_mma_sync``) config
     the dispatcher offers for the summed width (what ``decode_mm_group`` may choose) gives each member its
-    own launch's output."""
+    own launch's output. "uneven": members whose widths are not all whole tiles, where the group's launch
+    takes the masked address path for a member whose own launch would not."""
     from fusekern.kernels import decode_mm_group as dmg
     from fusekern.kernels.device_info import sm_count
 
