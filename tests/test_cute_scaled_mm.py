@@ -504,19 +504,20 @@ def wide_block_tiles(monkeypatch):
     csm._PLANS.clear()
 
 
-# The compile, plan and marshal caches of the wide loop built at four K blocks per pass, kept across tests.
-_PASS4_CACHES = ({}, {}, {})
+# The compile, plan and marshal caches of the wide loop built at one and at four K blocks per pass, kept across
+# tests.
+_PASS_CACHES = {1: ({}, {}, {}), 4: ({}, {}, {})}
 
 
-@pytest.fixture(params=[None, 4], ids=["shipped_pass", "pass4"])
+@pytest.fixture(params=[1, 4], ids=["pass1", "pass4"])
 def blocks_per_pass(request, monkeypatch):
-    """The wide loop as shipped, and built at four K blocks per pass (its timed form; the shipped one passes
-    one at a time, see ``BLOCKS_PER_PASS``): another build of the same KernelConfig, so it gets caches of its own."""
-    if request.param is not None and request.param != csm.BLOCKS_PER_PASS:
-        monkeypatch.setattr(csm, "BLOCKS_PER_PASS", request.param)
-        for name, cache in zip(("_COMPILED", "_PLANS", "_MARSHALS"), _PASS4_CACHES):
-            monkeypatch.setattr(csm, name, cache)
-        csm._PLANS.clear()  # plans are keyed without the tile: an earlier test's 128x128 plan must not serve
+    """The wide loop built at one and at four K blocks per pass, whatever the epilogue (it ships at four for a
+    bare 16-bit epilogue and one where it reads row or column scales or a residual or writes fp32:
+    ``csm.blocks_per_pass``): other builds of the same KernelConfig, so each gets caches of its own."""
+    monkeypatch.setattr(csm, "blocks_per_pass", lambda config: request.param)
+    for name, cache in zip(("_COMPILED", "_PLANS", "_MARSHALS"), _PASS_CACHES[request.param]):
+        monkeypatch.setattr(csm, name, cache)
+    csm._PLANS.clear()  # plans are keyed without the tile: an earlier test's 128x128 plan must not serve
     yield
 
 

@@ -148,13 +148,21 @@ def heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 WIDE_BLOCK_TILE_COST = 1.76
 
 # K blocks per pass of the 128x256 block-scaled loop's straight-line code (``_quarter_blocks``): it drains the
-# warpgroup's WGMMA queue once per pass. The quarter loop was timed at four per pass (1073-1078 TFLOP/s on an H100);
-# one per pass is not timed (in the probe's rescaled loop, with the same passes, it ran 0.9-1.3% slower than four:
-# benchmarks/results/h100/block_scaled_rescale_probe_f7a86f8.csv). It is one because CUDA 13.4's ptxas (Triton
-# 3.9's, what CI reads spills with) spills at two, three and four per pass: 8 bytes for the f16 / f32-bias /
-# row / col specialization at four, 24 for the plain one at two; CUDA 12.9's spills at none. The device's DSL
-# compiles with CUDA 13 libraries. Every pass count gives the same bits (GPU-tested at one and four).
-BLOCKS_PER_PASS = 1
+# warpgroup's WGMMA queue once per pass. Four per pass ran 7.5-8.5% faster than one at M = 4096, N = K = 7168
+# (384-387 against 413-421 us in a CUDA graph, H100, three alternating rounds; the same bits; at M = 2048, on the
+# 128x128 tile, within 1%: benchmarks/proto/probe_blocks_per_pass.py, benchmarks/results/h100/
+# blocks_per_pass_probe_8ef1d74.csv). Four only where the epilogue reads no row or column scale and no residual
+# and writes 16 bits (``blocks_per_pass``), else one: with four, CUDA 13.4's ptxas (Triton 3.9's, what CI reads
+# spills with) spills 8 bytes for each such 128x256 specialization tried (bf16 / f16 output, bf16 / f32 bias, row
+# and column, residual) and an fp32 output spills 104 bytes even bare (CUDA 12.9's: 180); at two the bare bf16
+# one spills 24. Every pass count gives the same bits.
+BLOCKS_PER_PASS = 4
+
+
+def blocks_per_pass(config: "KernelConfig") -> int:
+    """K blocks per pass of the 128x256 block-scaled loop for this specialization (see BLOCKS_PER_PASS)."""
+    bare = not (config.has_row or config.has_col or config.has_residual)
+    return BLOCKS_PER_PASS if bare and config.out != "f32" else 1
 
 
 def block_scaled_heuristics(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
@@ -412,7 +420,7 @@ if _CUTLASS_ERROR is None:
         """One specialization of the warp-specialized persistent scaled GEMM (see module docstring)."""
 
         threads_per_warpgroup = 128
-        blocks_per_pass: Optional[int] = None  # K blocks per pass of the 128x256 block-scaled loop; None: BLOCKS_PER_PASS
+        blocks_per_pass: Optional[int] = None  # K blocks per pass of the 128x256 block-scaled loop; None: blocks_per_pass()
         producer_registers = 40  # the TMA warpgroup only computes addresses
         consumer_registers = 232  # 2 x 128 x 232 + 128 x 40 <= 64K registers per SM
         cluster_n = 1  # CTAs of a cluster along N that share the A tile (a probe's multicast mixin sets 2)
@@ -455,7 +463,7 @@ if _CUTLASS_ERROR is None:
 
         def _blocks_per_pass(self) -> int:
             """K blocks per pass of the 128x256 block-scaled loop (a trace-time constant)."""
-            return self.blocks_per_pass if self.blocks_per_pass is not None else BLOCKS_PER_PASS
+            return self.blocks_per_pass if self.blocks_per_pass is not None else blocks_per_pass(self.config)
 
         def _atom_n(self) -> int:
             """N of one WGMMA. The whole tile for plain tiles; block-scaled tiles use WGMMAs at most 128 wide
