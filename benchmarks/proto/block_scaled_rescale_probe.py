@@ -20,8 +20,8 @@ Variants:
 - ``*_mcast``: with the 1 x 2 multicast cluster of block_scaled_wide_probe.py;
 - ``rowwise_128x256`` and ``rowwise_128x256_n128`` (the same from 64x128 WGMMAs): the tile without any fold;
 - ``*_sw8n`` / ``*_sw16n``: tiles visited in bands of 8 / 16 M tiles along N;
-- ``wide_pass4``: the shipped quarter loop at four K blocks per pass, as it was timed (it ships at one per pass:
-  CUDA 13.4's ptxas spills at more). Not yet timed against the shipped one.
+- ``wide_pass4``: the shipped quarter loop at four K blocks per pass (what it ships with for a bare 16-bit
+  epilogue; against one per pass: benchmarks/proto/probe_blocks_per_pass.py).
 
 Every output is checked against float64 with the output poisoned first; the variants that promote each K block
 to fp32 (``PROMOTING``) are checked bit for bit against each other. Results on an H100, CUDA graph, median

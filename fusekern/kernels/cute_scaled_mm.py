@@ -854,7 +854,7 @@ if _CUTLASS_ERROR is None:
             (``wait_group(1)``), so within a pass this warpgroup's tensor-core queue is never empty. The same
             fold, and so the same bits, as the 128x128 loop.
 
-            The K blocks go ``BLOCKS_PER_PASS`` at a time through straight-line code (``_quarter_blocks``) that
+            The K blocks go ``blocks_per_pass(config)`` at a time through straight-line code (``_quarter_blocks``) that
             starts and ends with no WGMMA in flight; within it each ``wait_group(1)`` follows the commit it
             leaves in flight. That is the structure seen to keep the WGMMAs asynchronous: ptxas serialized every
             WGMMA of the kernel (info C7514) for a loop whose WGMMAs accumulate into the same registers across
