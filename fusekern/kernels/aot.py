@@ -11,6 +11,7 @@ Run with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import subprocess
@@ -63,6 +64,10 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int = 4, num_s
         if param.is_constexpr and name in args:  # a compile-time parameter given with the launch values
             signature[name] = "constexpr"
             constants[name] = args[name]
+            continue
+        if name not in args and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            signature[name] = "constexpr"  # a compile-time parameter left at its default, as a launch would
+            constants[name] = param.default
             continue
         if name not in args:
             raise ValueError(f"compile_sm90: no value for argument {name!r} of {kernel.__name__}")

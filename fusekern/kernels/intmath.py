@@ -23,3 +23,15 @@ def next_power_of_2(n: int) -> int:
     n |= n >> 16
     n |= n >> 32
     return n + 1
+
+
+def needs_i64(*tensors) -> bool:
+    """Whether the element offset of some element of these tensors (strided views included; None skipped)
+    passes 2**31 - 1: a kernel indexing them with 32-bit offsets would wrap, so it takes its ``I64`` build.
+    An offset computed for a lane that a mask drops may wrap harmlessly; every loaded or stored one is at
+    most this reach."""
+    reach = 0
+    for t in tensors:
+        if t is not None and t.numel():
+            reach = max(reach, sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())))
+    return reach > 2**31 - 1

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
-from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.intmath import cdiv, needs_i64
 from fusekern.kernels.remat import block_index, remat_flags
 from fusekern.kernels.w8a16_linear import _tile_coords  # grouped tile order, shared with the W8A16 GEMM
 
@@ -146,10 +146,14 @@ def select_config(M: int, N: int, K: int, operand_bytes: int, group_k: int = 0) 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, row_ptr, col_ptr, bias_ptr, res_ptr, out_ptr,
               stride_row, stride_col, stride_bias, stride_rm, stride_rn, stride_om, stride_on,
-              HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+              HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              I64: tl.constexpr = False):
     """The epilogue pieces in the order the fold defines: row scale, column scale, bias, residual, cast."""
     m_mask = offs_m < M
     n_mask = offs_n < N
+    if I64:  # (an output or residual past 2**31 elements)
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
     out = acc.to(tl.float32)
     if HAS_ROW:
         out = out * tl.load(row_ptr + offs_m * stride_row, mask=m_mask, other=0.0).to(tl.float32)[:, None]
@@ -180,6 +184,7 @@ def _scaled_mm_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     REMAT_EPILOGUE: tl.constexpr, REMAT_LOOP: tl.constexpr,
+    I64: tl.constexpr = False,  # 64-bit offsets: some operand reaches past 2**31 elements (``needs_i64``)
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,6 +193,9 @@ def _scaled_mm_kernel(
     # Rows past M / N read row 0 (always valid) instead of masking every load; the epilogue drops them.
     offs_m_ld = tl.where(offs_m < M, offs_m, 0)
     offs_n_ld = tl.where(offs_n < N, offs_n, 0)
+    if I64:
+        offs_m_ld = offs_m_ld.to(tl.int64)
+        offs_n_ld = offs_n_ld.to(tl.int64)
     a_offs = offs_m_ld[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_offs = offs_n_ld[:, None] * stride_bn + offs_k[None, :] * stride_bk
     a_ptrs = a_ptr + a_offs
@@ -199,8 +207,11 @@ def _scaled_mm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if INT_DOT and not BLOCK_SCALED else tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if REMAT_LOOP:
-            a_ptrs = a_ptr + k * BLOCK_K * stride_ak + a_offs
-            b_ptrs = b_ptr + k * BLOCK_K * stride_bk + b_offs
+            k0 = k * BLOCK_K
+            if I64:
+                k0 = k0.to(tl.int64)
+            a_ptrs = a_ptr + k0 * stride_ak + a_offs
+            b_ptrs = b_ptr + k0 * stride_bk + b_offs
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -237,7 +248,7 @@ def _scaled_mm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _epilogue(acc, offs_m, offs_n, M, N, row_ptr, col_ptr, bias_ptr, res_ptr, out_ptr,
               stride_row, stride_col, stride_bias, stride_rm, stride_rn, stride_om, stride_on,
-              HAS_ROW, HAS_COL, HAS_BIAS, HAS_RES)
+              HAS_ROW, HAS_COL, HAS_BIAS, HAS_RES, I64)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -292,7 +303,7 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
         _stride(a_block, 0), _stride(a_block, 1) if blocked else 0, _stride(b_block, 0), _stride(b_block, 1) if blocked else 0,
         max(group_n, 1), max(group_k, 1),
         HAS_ROW=row is not None, HAS_COL=col is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_SCALED=blocked, EVEN_K=K % cfg.BLOCK_K == 0,
+        BLOCK_SCALED=blocked, EVEN_K=K % cfg.BLOCK_K == 0, I64=needs_i64(a, b, out, residual, a_block, b_block),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_compute_constexprs(a.dtype, b.dtype),

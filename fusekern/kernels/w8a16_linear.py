@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fusekern.compiler_pass import direct_calls
 from fusekern.kernels.device_info import sm_count
-from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.intmath import cdiv, needs_i64
 from fusekern.kernels.remat import block_index, remat_flags
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
@@ -114,6 +114,7 @@ def _w8a16_splitk_kernel(
     BLOCK_K: tl.constexpr,
     REMAT_EPILOGUE: tl.constexpr,
     REMAT_LOOP: tl.constexpr,
+    I64: tl.constexpr = False,  # 64-bit offsets: x, w or out reaches past 2**31 elements (``needs_i64``)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -123,12 +124,17 @@ def _w8a16_splitk_kernel(
     k_per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, k_tiles)
+    if I64:
+        k_begin = k_begin.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Clamp out-of-range rows instead of masking every load: the stores are masked.
     offs_n_ld = tl.where(offs_n < N, offs_n, 0)
     offs_m_ld = tl.where(offs_m < M, offs_m, 0)
+    if I64:
+        offs_n_ld = offs_n_ld.to(tl.int64)
+        offs_m_ld = offs_m_ld.to(tl.int64)
     # REMAT_LOOP: the loop carries loop-invariant 32-bit tile offsets and a scalar k; otherwise pointer tensors.
     w_offs = offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk
     x_offs = offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -138,8 +144,11 @@ def _w8a16_splitk_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_begin, k_end):
         if REMAT_LOOP:
-            w_ptrs = w_ptr + k * BLOCK_K * stride_wk + w_offs
-            x_ptrs = x_ptr + k * BLOCK_K * stride_xk + x_offs
+            k0 = k * BLOCK_K
+            if I64:
+                k0 = k0.to(tl.int64)
+            w_ptrs = w_ptr + k0 * stride_wk + w_offs
+            x_ptrs = x_ptr + k0 * stride_xk + x_offs
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
@@ -158,6 +167,9 @@ def _w8a16_splitk_kernel(
         offs_m = block_index(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    if I64:
+        offs_n = offs_n.to(tl.int64)
+        offs_m = offs_m.to(tl.int64)
     if SPLIT_K > 1:
         split = block_index(2) if REMAT_EPILOGUE else tl.program_id(2)
         ws_ptrs = out_ptr + split * M * N + offs_n[:, None] + offs_m[None, :] * N
@@ -221,6 +233,7 @@ def _w8a16_gemm_kernel(
     GROUP_M: tl.constexpr,
     REMAT_EPILOGUE: tl.constexpr,
     REMAT_LOOP: tl.constexpr,
+    I64: tl.constexpr = False,  # 64-bit offsets: x, w or out reaches past 2**31 elements (``needs_i64``)
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -228,6 +241,9 @@ def _w8a16_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_m_ld = tl.where(offs_m < M, offs_m, 0)
     offs_n_ld = tl.where(offs_n < N, offs_n, 0)
+    if I64:
+        offs_m_ld = offs_m_ld.to(tl.int64)
+        offs_n_ld = offs_n_ld.to(tl.int64)
     # REMAT_LOOP: the loop carries loop-invariant 32-bit tile offsets and a scalar k; otherwise pointer tensors.
     x_offs = offs_m_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     w_offs = offs_n_ld[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
@@ -237,8 +253,11 @@ def _w8a16_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if REMAT_LOOP:
-            x_ptrs = x_ptr + k * BLOCK_K * stride_xk + x_offs
-            w_ptrs = w_ptr + k * BLOCK_K * stride_wk + w_offs
+            k0 = k * BLOCK_K
+            if I64:
+                k0 = k0.to(tl.int64)
+            x_ptrs = x_ptr + k0 * stride_xk + x_offs
+            w_ptrs = w_ptr + k0 * stride_wk + w_offs
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -257,6 +276,9 @@ def _w8a16_gemm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    if I64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
     scale = tl.load(scale_ptr + offs_n * stride_s, mask=n_mask, other=0.0).to(tl.float32)
     out = acc * scale[None, :]
     if HAS_BIAS:
@@ -272,11 +294,14 @@ def _dequant_kernel(
     stride_wn, stride_wk, stride_s,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    I64: tl.constexpr = False,  # 64-bit offsets: w or out reaches past 2**31 elements (``needs_i64``)
 ):
     # out[n, k] = w[n, k] * scale[n], rounded once to out's dtype; out is contiguous [N, K].
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    if I64:
+        offs_n = offs_n.to(tl.int64)
     w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=mask, other=0)
     scale = tl.load(scale_ptr + offs_n * stride_s, mask=offs_n < N, other=0.0).to(tl.float32)
     out = w.to(tl.float32) * scale[:, None]
@@ -364,7 +389,8 @@ def w8a16_linear_triton(
         grid = (cdiv(N, config.BLOCK_N), cdiv(M, 16), split_k)
         launch(_w8a16_splitk_kernel)[grid](
             x, w, scale, bias_arg, dst, M, N, K, *strides,
-            SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **meta,
+            SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            I64=needs_i64(x, w, dst), **meta,
         )
         if split_k > 1:
             block = 1024
@@ -377,7 +403,7 @@ def w8a16_linear_triton(
         launch(_w8a16_gemm_kernel)[grid](
             x, w, scale, bias_arg, out, M, N, K, *strides,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-            GROUP_M=config.GROUP_M, **meta,
+            GROUP_M=config.GROUP_M, I64=needs_i64(x, w, out), **meta,
         )
     return out
 
@@ -389,7 +415,7 @@ def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig, launch
     grid = (cdiv(N, config.BLOCK_N), cdiv(K, config.BLOCK_K))
     launch(_dequant_kernel)[grid](
         w, scale, w_deq, N, K, w.stride(0), w.stride(1), scale.stride(0),
-        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=4,
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, I64=needs_i64(w, w_deq), num_warps=4,
     )
     if bias is not None and bias.dtype == x.dtype:
         return torch.addmm(bias, x, w_deq.t()).to(out_dtype)
