@@ -129,6 +129,27 @@ def test_one_row_1d_logits():
     assert x[out.long()] >= x.topk(5).values[-1]
 
 
+def test_a_rounding_cast_before_the_softmax_is_sampled_through():
+    """softmax(x.to(bf16)) of fp32 x samples from the rounded logits: at temperature 0.1 the rounding moves
+    two near-tied tokens half a unit apart (100.24 and 100.26 round to 100.0 and 100.5), so token 1 is drawn
+    with probability sigmoid(0.5) = 0.62, not sigmoid(0.02) = 0.505. The rewrite once stripped that cast
+    with the widening ones and sampled from the fp32 values."""
+    def sample(logits):
+        x = logits / 0.1
+        x = torch.where(x < torch.topk(x, 2)[0][..., -1:], -float("inf"), x)
+        probs = torch.softmax(x.to(torch.bfloat16), dim=-1)
+        return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+    rows = 20000
+    logits = torch.tensor([[10.024, 10.026, -5.0]], device=DEVICE).expand(rows, -1).contiguous()
+    with torch.no_grad():
+        out = compiled(sample)(logits)
+    assert fired() == {"sample": 1}
+    share = (out == 1).float().mean().item()
+    want = torch.sigmoid(torch.tensor(0.5)).item()
+    assert abs(share - want) < 6 * (want * (1 - want) / rows) ** 0.5, share  # the fp32 logits give 0.505
+
+
 def test_manual_seed_reproduces_a_run():
     logits = torch.zeros(64, 100, device=DEVICE)  # flat: every draw differs by seed
     f = compiled(lambda x: gpt_fast(x, 1.0, 100))

@@ -91,6 +91,25 @@ def _strip_casts(n, into: list | None = None):
     return n
 
 
+# Float casts that keep every value (a value read through one is the value under it).
+_WIDER = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+          torch.float32: (torch.float64,)}
+
+
+def _strip_lossless_casts(n, into: list | None = None):
+    """The node under the dtype casts that keep every value (widening ones: bf16 to fp32); the casts are
+    appended to ``into``. A rounding cast (fp32 to bf16) stays: its rounded value is what follows reads."""
+    while _is(n, prims.convert_element_type.default):
+        inner = _val(n.args[0])
+        if not isinstance(inner, torch.Tensor) or (n.args[1] != inner.dtype
+                                                   and n.args[1] not in _WIDER.get(inner.dtype, ())):
+            break
+        if into is not None:
+            into.append(n)
+        n = n.args[0]
+    return n
+
+
 def _strip_same_kind_casts(n):
     """n under casts that keep its kind (float to float, int to int): the value the chain means.
     A float to int cast truncates: it stays."""
@@ -201,7 +220,9 @@ def _softmax_input(p: Node, what: str = "the race numerator") -> tuple[Node, lis
     if _val(amax).dim() != ndim or _val(total).dim() != ndim:
         # without keepdim the max / sum broadcast along the last dim: another function than softmax
         raise Decline("the softmax's max or sum drops the reduced dim (no keepdim)")
-    return _strip_casts(zc, casts), [*casts, p, exp, total, sub, amax]
+    # the logits: under widening casts only (inductor's fp32 upcast of a bf16 softmax); a rounding cast
+    # before the softmax (softmax(x.to(bf16)) of fp32 x) is part of what is sampled from and stays
+    return _strip_lossless_casts(zc, casts), [*casts, p, exp, total, sub, amax]
 
 
 def _is_softmax(n) -> bool:
