@@ -710,3 +710,25 @@ def test_an_identity_order_folds_to_nothing():
     prog = DecodeProgram.from_text(text)
     assert not prog.embedded_values() and not prog.lookups() and recognize(prog).name == "int8"
     assert_compiled(fn, args, fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+
+
+def test_a_float_cast_to_bool_is_nonzero_not_truncation():
+    """``scale.bool()`` (masking out pruned channels) is ``scale != 0`` in torch: scales below 1 are True. The
+    decode program truncated first (every scale below 1 became False: an all-zero output), both where the
+    op evaluates the program and in the generated kernel."""
+    def skip_dead_channels(x, w, s):
+        return F.linear(x, torch.where(s.bool()[:, None], w.to(x.dtype) * s[:, None], 0.0))
+
+    K, N = 256, 96
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+    s = (torch.rand(N) * 0.02 + 0.005).to(torch.bfloat16)
+    s[::7] = 0
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    assert_compiled(skip_dead_channels, (x, w, s), fired={"decode_matmul": 1}, options=ONLY_STRUCTURAL)
+    text, leaves, _ = decode_program(skip_dead_channels, x, w, s)
+    weight = torch.where(s.bool()[:, None], w.to(torch.bfloat16) * s[:, None], 0.0)  # eager's bf16 weight
+    want = x.double() @ weight.double().t()
+    assert rel_err(dm.decode_mm_reference(x.double(), leaves, text), want) < 1e-6
+    got = dm.decode_mm_triton(x.to(DEVICE), [t.to(DEVICE) for t in leaves], text, None,
+                              config=dm.Config(1, 32, 64, 1, 1, 4, 1))
+    assert rel_err(got.cpu(), want) <= TOL[torch.bfloat16]

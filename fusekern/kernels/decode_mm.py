@@ -496,6 +496,8 @@ def _round(v: str, src: torch.dtype, d: torch.dtype) -> str:
     """Container value of dtype ``src`` converted to dtype ``d`` and held in d's container."""
     c = container(d)
     if is_int(d):
+        if not is_int(src) and d == torch.bool:  # torch: x != 0 (0.5 is True), not a truncation
+            return f"({v} != 0).to({tl_dtype(c)})"
         if not is_int(src):  # float -> integer truncates; uint8 goes through int64 (wrapped below)
             v = f"{v}.to(tl.int64)" if c == torch.int64 or d == torch.uint8 else f"{v}.to(tl.int32)"
         return _wrap(f"{v}.to({tl_dtype(c)})", d)

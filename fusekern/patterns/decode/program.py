@@ -398,6 +398,8 @@ def round_to(v: torch.Tensor, d: torch.dtype) -> torch.Tensor:
     """Convert a container value to dtype ``d`` and back: the rounding of an explicit cast."""
     c = container(d)
     if is_int(d):
+        if v.is_floating_point() and d == torch.bool:  # torch: x != 0 (0.5 is True), not a truncation
+            return (v != 0).to(c)
         if v.is_floating_point():
             v = v.trunc()
             return wrap_int(v.to(torch.int64).to(c), d)  # through a wider integer, then wrapped
