@@ -58,6 +58,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusekern.kernels import device_info
 from fusekern.kernels import sampler as kernel
+from fusekern.patterns.casts import exact_cast
 from fusekern.patterns.registry import register_rewrite
 
 aten = torch.ops.aten
@@ -91,18 +92,12 @@ def _strip_casts(n, into: list | None = None):
     return n
 
 
-# Float casts that keep every value (a value read through one is the value under it).
-_WIDER = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
-          torch.float32: (torch.float64,)}
-
-
 def _strip_lossless_casts(n, into: list | None = None):
     """The node under the dtype casts that keep every value (widening ones: bf16 to fp32); the casts are
     appended to ``into``. A rounding cast (fp32 to bf16) stays: its rounded value is what follows reads."""
     while _is(n, prims.convert_element_type.default):
         inner = _val(n.args[0])
-        if not isinstance(inner, torch.Tensor) or (n.args[1] != inner.dtype
-                                                   and n.args[1] not in _WIDER.get(inner.dtype, ())):
+        if not isinstance(inner, torch.Tensor) or not exact_cast(inner.dtype, n.args[1]):
             break
         if into is not None:
             into.append(n)

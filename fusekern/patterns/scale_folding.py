@@ -36,6 +36,7 @@ from torch.fx import Graph, Node
 
 from fusekern.kernels import cute_dispatch, device_info
 from fusekern.kernels import scaled_mm as kernel
+from fusekern.patterns.casts import exact_cast
 from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
 
@@ -81,15 +82,6 @@ def _cast_target(n: Node):
     if _is(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1:
         return n.kwargs.get("dtype")
     return None
-
-
-def _exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Every value of ``src`` is a value of ``dst``."""
-    if src == dst:
-        return True
-    if src in kernel.EIGHT_BIT_DTYPES:
-        return dst in FLOATS
-    return src in (torch.bfloat16, torch.float16) and dst == torch.float32
 
 
 # ----------------------------------------------------------------------------- scale classification
@@ -169,7 +161,7 @@ class Peel:
             src = _val(cur.args[0]).dtype if _val(cur.args[0]) is not None else None
             if src is None or dst not in FLOATS:
                 return None
-            if not _exact_cast(src, dst) and self.rounding_cast is None:
+            if not exact_cast(src, dst) and self.rounding_cast is None:
                 self.rounding_cast = (cur, len(self.nodes))
             self.nodes.append(cur)
             return cur.args[0]
