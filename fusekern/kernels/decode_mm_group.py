@@ -188,10 +188,11 @@ def _grouped(x, members, lay: PackedLayout, K: int, Ns: list[int], cfg, key, lea
     """The tuned grouped launch for this call, recorded for replay, or None where these members cannot share it.
     A config tuned on another layer whose codes were all 16-byte aligned may meet a layer where they are not:
     then the same tiles with plain loads, still one launch."""
-    outs = group_launch(x, members, lay, K, Ns, cfg, record=replay.recorder(_REPLAYS, key, leaves))
+    record = replay.recorder(_REPLAYS, key, leaves)
+    outs = group_launch(x, members, lay, K, Ns, cfg, record=record)
     plain = _plain_loads(cfg)
     if outs is None and plain is not None:
-        outs = group_launch(x, members, lay, K, Ns, plain, record=replay.recorder(_REPLAYS, key, leaves))
+        outs = group_launch(x, members, lay, K, Ns, plain, record=record)
     return outs
 
 
