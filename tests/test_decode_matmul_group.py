@@ -144,9 +144,9 @@ def test_leaves_that_cannot_share_a_launch_do_not_decide_for_other_layers(monkey
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def _skewed_int8_group():
+def _skewed_int8_group(skew: int = 4):
     """(x, members, programs, layout text, layout) of two int8 projections whose second member's codes start
-    4 bytes off 16 (``test_packed_gemv_group.members_in_one_buffer``)."""
+    ``skew`` bytes past the first's end (``test_packed_gemv_group.members_in_one_buffer``: 4 is 4 bytes off 16)."""
     from test_packed_gemv_group import members_in_one_buffer
 
     from fusekern.patterns.decode.formats import recognize
@@ -155,7 +155,7 @@ def _skewed_int8_group():
     from fusekern.testing.decode_cones import decode_program
     from fusekern.testing.decode_zoo import BY_NAME
 
-    x, members, _ = members_in_one_buffer(256, 4)
+    x, members, _ = members_in_one_buffer(256, skew)
     programs, lay = [], None
     for m in members:
         text, _, consts = decode_program(BY_NAME["int8_channel"].fn, x.cpu(), *(t.cpu() for t in m))
@@ -169,31 +169,12 @@ def test_a_layer_whose_codes_start_unaligned_does_not_decide_for_the_others(monk
     """1-byte codes are read as int32 words where they start 4-byte aligned. One layer whose second member
     starts 1 byte off cannot share a launch with its first (another word reading), but another layer's
     leaves for the same programs may: that layer's members run apart and nothing is cached for the others."""
-    from test_packed_gemv_group import member
-
-    from fusekern.patterns.decode.formats import recognize
-    from fusekern.patterns.decode.layout import derive_layout
-    from fusekern.patterns.decode.program import DecodeProgram
-    from fusekern.testing.decode_cones import decode_program
-    from fusekern.testing.decode_zoo import BY_NAME
-
     monkeypatch.setattr(dmg, "_groupable", lambda *a: True)  # (x on the CPU)
     monkeypatch.setattr(dmg, "_tuned", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
-    K, Ns = 256, (64, 40)
-    x = torch.randn(1, K, dtype=torch.bfloat16)
-    made = [member("int8_channel", K, n, x, seed) for seed, n in enumerate(Ns)]
-    buf = torch.zeros(Ns[1] * K + 16, dtype=torch.int8)
-    q1 = buf[1:1 + Ns[1] * K].view(Ns[1], K)
-    q1.copy_(made[1][0][0])
-    members = [made[0][0], [q1, *made[1][0][1:]]]
-    programs, layout = [], None
-    for m in members:
-        text, _, consts = decode_program(BY_NAME["int8_channel"].fn, x, *m)
-        prog = DecodeProgram.from_text(text)
-        layout = derive_layout(prog, recognize(prog, consts), consts).to_text()
-        programs.append(text)
-    assert dmg.pg.group_args(x, members, dmg.PackedLayout.from_text(layout), K, list(Ns)) is None
+    x, members, programs, layout, lay = _skewed_int8_group(1)
+    assert members[1][0].data_ptr() % 4 == 1
+    assert dmg.pg.group_args(x, members, lay, 256, [64, 40]) is None
     assert dmg.tuned_choice(x, members, programs, layout) == dmg.SEPARATE
     assert dmg._tuned == {}
 
