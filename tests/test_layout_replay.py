@@ -147,6 +147,30 @@ def test_fp8_kv_attention_replays_the_same_layouts(ops, monkeypatch, B, S, split
     assert len(runs) == 2
 
 
+def _fp8_at(cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """The same fp8 values in a fresh buffer ``offset`` bytes past an aligned address (same shape, strides)."""
+    buf = torch.empty(cache.numel() + 16, dtype=torch.uint8, device=cache.device)
+    assert buf.data_ptr() % 16 == 0
+    out = buf[offset:offset + cache.numel()].view(cache.dtype).view(cache.shape)
+    out.copy_(cache)
+    return out
+
+
+def test_fp8_cache_at_another_misaligned_offset_is_not_replayed(ops, monkeypatch):
+    """A cache 4 bytes past alignment runs the kernel (whole int32 words) and is recorded; one 2 bytes past it has
+    the same shapes, strides and 16-byte misalignment, but its words are not whole: it must take the op's
+    unfused path, never the recorded word loads (the key holds the address modulo 16, not only whether it is 0)."""
+    runs, _ = _counting(monkeypatch, F, "_run")
+    q, k8, k_scale, v8, v_scale = _fp8_inputs(2, 96, 0)
+    four = (q, _fp8_at(k8, 4), k_scale, _fp8_at(v8, 4), v_scale)
+    F._fp8_kv_attention_cuda(*four, 0.125)
+    assert len(runs) == 1 and len(F._REPLAYS) == 1
+    two = (q, _fp8_at(k8, 2), k_scale, _fp8_at(v8, 2), v_scale)
+    got = F._fp8_kv_attention_cuda(*two, 0.125)
+    assert len(runs) == 2  # not the replay: the op ran, could not view the cache as words, and fell back
+    assert torch.equal(got, F.attention_math(*two, 0.125, None, None))
+
+
 def test_fp8_scale_moved_to_the_gpu_is_not_recorded(ops, monkeypatch):
     if DEVICE != "cuda":
         pytest.skip("a CPU scale is moved only to a GPU")

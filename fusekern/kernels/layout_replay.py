@@ -5,8 +5,9 @@ cost more host time than the kernel. The attention ops (``decode_attention``, ``
 greedy sampler (``masked_argmax``) have the same problem, once per layer or token, but none of their inputs
 is a weight: q, the KV cache, its scales, the mask, the logits can all be other tensors at every call. So
 the replay is keyed by the call's layouts, not by tensor identity: every input's shape, strides, dtype,
-device and 16-byte alignment (the JIT specializes pointers on it; every int the launch passes derives
-from the shapes and strides), the op's other arguments, the current device and stream (the split
+device and address modulo 16 (the JIT specializes pointers on 16-byte alignment, and a kernel may need
+less, as ``fp8_kv_attention``'s 4-byte words do: the residue, not only whether it is 0; every int the launch
+passes derives from the shapes and strides), the op's other arguments, the current device and stream (the split
 counters are per stream). A call that matches writes its tensors' addresses and fresh buffers (the
 output, split workspaces) into the recorded argument slots and calls the compiled kernel's launcher; the
 op's checks are skipped, since they read only what the key holds. A launch is recorded only where every
@@ -44,7 +45,7 @@ def output_slots(split: bool, workspaces: tuple[str, str]) -> dict:
 
 def call_key(tensors, *scalars) -> tuple:
     """What a recorded launch assumed of a call (module docstring); the stream's raw handle comes last."""
-    parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
              for t in tensors]
     return (*parts, *scalars, *replay.device_key(tensors[0].device))
 
