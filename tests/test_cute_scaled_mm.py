@@ -504,14 +504,14 @@ def wide_block_tiles(monkeypatch):
     csm._PLANS.clear()
 
 
-# The compile, plan and marshal caches of the wide loop built at one and at four K blocks per pass, kept across
+# The compile, plan and marshal caches of the wide loop built at one and at eight K blocks per pass, kept across
 # tests.
-_PASS_CACHES = {1: ({}, {}, {}), 4: ({}, {}, {})}
+_PASS_CACHES = {1: ({}, {}, {}), 8: ({}, {}, {})}
 
 
-@pytest.fixture(params=[1, 4], ids=["pass1", "pass4"])
+@pytest.fixture(params=[1, 8], ids=["pass1", "pass8"])
 def blocks_per_pass(request, monkeypatch):
-    """The wide loop built at one and at four K blocks per pass, whatever the epilogue (it ships at four for a
+    """The wide loop built at one and at eight K blocks per pass, whatever the epilogue (it ships at eight for a
     bare 16-bit epilogue and one where it reads row or column scales or a residual or writes fp32:
     ``csm.blocks_per_pass``): other builds of the same KernelConfig, so each gets caches of its own."""
     monkeypatch.setattr(csm, "blocks_per_pass", lambda config: request.param)
@@ -523,8 +523,8 @@ def blocks_per_pass(request, monkeypatch):
 
 @pytest.mark.gpu
 # N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008, 1136,
-# 512 and 848: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks (with four K blocks to a pass: no full pass,
-# two, two and one block, one, one and three blocks); M = 1, 777 and 129: M tails of a 128-row tile.
+# 512 and 848: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks (with eight K blocks to a pass: no full
+# pass, one, one and one block, no full pass, no full pass); M = 1, 777 and 129: M tails of a 128-row tile.
 @pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512),
                                    (129, 640, 848)], ids=lambda v: str(v))
 @pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])

@@ -151,12 +151,15 @@ WIDE_BLOCK_TILE_COST = 1.76
 # warpgroup's WGMMA queue once per pass. Four per pass ran 7.5-8.5% faster than one at M = 4096, N = K = 7168
 # (384-387 against 413-421 us in a CUDA graph, H100, three alternating rounds; the same bits; at M = 2048, on the
 # 128x128 tile, within 1%: benchmarks/proto/probe_blocks_per_pass.py, benchmarks/results/h100/
-# blocks_per_pass_probe_8ef1d74.csv). Four only where the epilogue reads no row or column scale and no residual
-# and writes 16 bits (``blocks_per_pass``), else one: with four, CUDA 13.4's ptxas (Triton 3.9's, what CI reads
+# blocks_per_pass_probe_8ef1d74.csv). More than one only where the epilogue reads no row or column scale and no
+# residual and writes 16 bits (``blocks_per_pass``), else one: with four, CUDA 13.4's ptxas (Triton 3.9's, what CI reads
 # spills with) spills 8 bytes for each such 128x256 specialization tried (bf16 / f16 output, bf16 / f32 bias, row
 # and column, residual) and an fp32 output spills 104 bytes even bare (CUDA 12.9's: 180); at two the bare bf16
-# one spills 24. Every pass count gives the same bits.
-BLOCKS_PER_PASS = 4
+# one spills 24. Every pass count gives the same bits. Eight per pass (what ships) ran 1.5-2% faster than four
+# (378-382 against 386-387 us, three alternating rounds, H100, benchmarks/results/h100/
+# blocks_per_pass_probe_48_a886f53.csv; the GPU tests ran the loop at eight) and builds the bare bf16 epilogue
+# without spills under both ptxas.
+BLOCKS_PER_PASS = 8
 
 
 def blocks_per_pass(config: "KernelConfig") -> int:
