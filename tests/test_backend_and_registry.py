@@ -173,14 +173,16 @@ def test_user_pattern_end_to_end():
 
     p = fusekern.register_pattern(name, search, replacement,
                                   inputs=dict(SPEC, s=fusekern.T("N", dtype=torch.float32, positive=True)),
-                                  check=lambda v: None if v["s"].dim() == 1 else "s must be 1-D")
+                                  check=lambda v: None if v["s"].is_contiguous() else "s must be contiguous")
     try:
         check_pattern(p).assert_ok()
         x, w, s = torch.randn(5, 12), torch.randn(7, 12), torch.rand(7)
         assert_compiled(search, (x, w, s), fired={name: 1}, options={"fusekern.enable": [name]},
                         gone=["aten.relu.default"], present=["aten.clamp_min.default"])
+        assert_compiled(search, (x, w, torch.rand(14)[::2]), fired={}, options={"fusekern.enable": [name]})
+        assert any("s must be contiguous" in r.reason for r in fusekern.match_report().rejections())
         assert_compiled(search, (x, w, torch.rand(1, 7)), fired={}, options={"fusekern.enable": [name]})
-        assert any("s must be 1-D" in r.reason for r in fusekern.match_report().rejections())
+        assert any("s has 2 dims, the pattern's spec 1" in r.reason for r in fusekern.match_report().rejections())
     finally:
         fusekern.unregister_pattern(name)
 
@@ -731,3 +733,161 @@ def test_a_decline_says_which_line_of_the_users_code_made_the_node():
     assert mine and all(r.where == f"test_backend_and_registry.py:{line}" for r in mine), mine
     assert f"(test_backend_and_registry.py:{line}): activation dtype" in str(fusekern.match_report())
 
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_a_match_outside_the_declared_specs_is_declined():
+    """Inductor's matcher compares ops, not dtypes or sizes: a pattern traced for fp32 2-D inputs whose N is a
+    multiple of 8 fired on bf16, on 3-D inputs and at N = 12, where the harness never tested it (and this
+    replacement is wrong). Each is declined with the reason; inside the specs it fires."""
+    def search(x, s):
+        return (x * s).sum(-1)
+
+    def every_eighth(x, s):  # right only where N is a multiple of 8
+        n = x.shape[-1] // 8 * 8
+        return (x[..., :n] * s[:n]).sum(-1)
+
+    name = "user_mul8_sum"
+    fusekern.register_pattern(name, search, every_eighth,
+                              inputs=dict(x=fusekern.T("M", "N", dtype=torch.float32), s=fusekern.T("N", dtype=torch.float32)),
+                              dims={"N": fusekern.Dim(min=8, max=64, multiple_of=8)})
+    only = {"fusekern.enable": [name]}
+    try:
+        check_pattern(name).assert_ok()
+        fn = lambda x, s: search(x, s) + 1  # noqa: E731
+        assert_compiled(fn, (torch.randn(4, 16), torch.randn(16)), fired={name: 1}, options=only)
+        for args, why in [((torch.randn(4, 12), torch.randn(12)), "N = 12 is not known to be a multiple of 8"),
+                          ((torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)),
+                           "x is torch.bfloat16, the pattern's spec torch.float32"),
+                          ((torch.randn(2, 4, 16), torch.randn(16)), "x has 3 dims, the pattern's spec 2")]:
+            assert_compiled(fn, args, fired={}, options=only)
+            reasons = [r.reason for r in fusekern.match_report().rejections()]
+            assert any(why in r for r in reasons), reasons
+        # a dynamic N is not known to be a multiple of 8: declined, and right at every size
+        assert_compiled(fn, (torch.randn(4, 16), torch.randn(16)), fired={}, options=only, dynamic=True,
+                        extra_args=[(torch.randn(4, 12), torch.randn(12))])
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+def test_a_replacement_that_writes_in_place_is_refused():
+    """Where it fired, ``x.relu_()`` changed the user's x, which the rest of the graph read again; the harness had
+    passed it (the replacement and the reference shared the inputs)."""
+    with pytest.raises(fusekern.PatternError, match=r"'user_relu_inplace'.*replacement writes in place \(aten.relu_"):
+        fusekern.register_pattern("user_relu_inplace", lambda x, w: torch.relu(x) * w, lambda x, w: x.relu_() * w,
+                                  inputs=dict(x=fusekern.T("M", "N", dtype=torch.float32),
+                                              w=fusekern.T("M", "N", dtype=torch.float32)))
+    assert "user_relu_inplace" not in {p.name for p in all_patterns()}
+
+
+def test_harness_runs_each_function_on_its_own_inputs():
+    """A pattern object made by hand (registration refuses in-place replacements) whose replacement clobbers its
+    input: the search's reference must not see the clobbered values."""
+    def writes(x, w):
+        out = torch.relu(x) * w
+        x.zero_()
+        return out
+
+    p = Pattern("hand_made_clobber", lambda x, w: torch.relu(x) * w, writes,
+                inputs=dict(x=fusekern.T("M", "N", dtype=torch.float32), w=fusekern.T("M", "N", dtype=torch.float32)))
+    assert check_pattern(p).passed  # (each run drew its own copy: the same values, the right answer)
+
+
+def test_assert_compiled_compares_inputs_nested_outputs_and_integers_exactly():
+    def fn(x):
+        return {"y": x * 2, "idx": (x > 0).sum(-1)}, x.shape[0]
+
+    x = torch.randn(4, 8)
+    r = assert_compiled(fn, (x,), fired={})
+    assert r.errors == [0.0]
+
+    def clobbers(x):  # eager also writes into x: the compiled call must write the same
+        x.mul_(2)
+        return x + 1
+
+    assert_compiled(clobbers, (torch.randn(4, 8),), fired={})
+    with pytest.raises(AssertionError, match=r"argument 0 after the call differs from eager"):
+        from fusekern.testing.equivalence import _compare
+        _compare("argument 0 after the call", torch.ones(3), torch.zeros(3), 1e-4)
+    with pytest.raises(AssertionError, match="int64 values must be equal"):
+        from fusekern.testing.equivalence import _compare
+        _compare("output", torch.tensor([2**40 + 1]), torch.tensor([2**40]), 1e-4)
+
+
+def test_harness_fails_integer_outputs_that_differ_at_all():
+    """Truncating instead of flooring division: a relative error of 5e-10 over the whole tensor passed the fp32
+    tolerance; an integer output must be equal."""
+    name = "user_int_div"
+    fusekern.register_pattern(name, lambda x: torch.div(x, 3, rounding_mode="floor") * 2,
+                              lambda x: torch.div(x, 3, rounding_mode="trunc") * 2,
+                              inputs=dict(x=fusekern.T("M", "N", dtype=torch.int64)))
+    try:
+        r = check_pattern(name)
+        assert not r.passed and "must be equal" in r.worst.note
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+def test_harness_draws_every_layout_of_every_variant():
+    """With 24 draws and 24 variants every draw was contiguous: a replacement that assumes contiguity passed."""
+    def assumes_contiguous(x, w):
+        return torch.as_strided(x, x.shape, (x.shape[-1], 1)) * w
+
+    name = "user_assumes_contiguous"
+    fusekern.register_pattern(name, lambda x, w: x * w, assumes_contiguous,
+                              inputs=dict(x=fusekern.T("M", "N", dtype="d0"), w=fusekern.T("M", "N", dtype="d1")),
+                              dtypes={"d0": (torch.float32, torch.float64), "d1": (torch.float32, torch.float64)})
+    try:
+        r = check_pattern(name, draws=2)  # 4 variants x 3 layouts: 12 draws at least
+        assert len(r.cases) == 12
+        assert {c.layout for c in r.cases} == {"contiguous", "noncontiguous", "misaligned"}
+        assert not r.passed
+    finally:
+        fusekern.unregister_pattern(name)
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_checks_may_return_numpy_bools_and_dynamic_comparisons():
+    import numpy as np
+
+    spec = dict(x=fusekern.T("M", "N", dtype=torch.float32))
+    fusekern.register_pattern("user_np_check", lambda x: torch.relu(x) * 3.0, lambda x: torch.clamp_min(x, 0.0) * 3.0,
+                              inputs=spec, check=lambda v: np.bool_(v["x"].dim() == 2))
+    fusekern.register_pattern("user_sym_check", lambda x: torch.relu(x) * 5.0, lambda x: torch.clamp_min(x, 0.0) * 5.0,
+                              inputs=spec, check=lambda v: v["x"].shape[-1] % 8 == 0)
+    only = {"fusekern.enable": ["user_np_check", "user_sym_check"]}
+    try:
+        fn = lambda x: torch.relu(x) * 3.0 + torch.relu(x * 2) * 5.0  # noqa: E731
+        assert_compiled(fn, (torch.randn(4, 16),), fired={"user_np_check": 1, "user_sym_check": 1}, options=only)
+        assert_compiled(fn, (torch.randn(4, 16),), fired={"user_np_check": 1}, options=only, dynamic=True)
+        reasons = [r.reason for r in fusekern.match_report().rejections()]
+        assert any("is not known to hold for every size" in r for r in reasons), reasons
+    finally:
+        fusekern.unregister_pattern("user_np_check")
+        fusekern.unregister_pattern("user_sym_check")
+
+
+def test_unregister_names_what_it_cannot_find():
+    with pytest.raises(KeyError, match="no pattern named 'no_such_pattern'"):
+        fusekern.unregister_pattern("no_such_pattern")
+    with pytest.raises(TypeError, match="pass the pattern's name"):
+        fusekern.unregister_pattern(42)
+
+
+def test_registration_argument_types_are_checked():
+    def bad(**kw):
+        return fusekern.register_pattern("bad_types", _mm, _mm, **(dict(inputs=SPEC) | kw))
+
+    for kw, why in [(dict(tolerance=1e-3), "tolerance must be a dict"), (dict(dtypes=[torch.float32]), "dtypes must be a dict"),
+                    (dict(dims=["K"]), "dims must be a dict"), (dict(tolerance={torch.float32: float("inf")}), "positive numbers"),
+                    (dict(tolerance={torch.float32: True}), "positive numbers"), (dict(description=5), "description must be a string"),
+                    (dict(kernel_version=None), "kernel_version must be a string"), (dict(bind_specs="yes"), "bind_specs must be"),
+                    (dict(inputs=dict(x=fusekern.T("M", "K", dtype="a"), w=fusekern.T("N", "K", dtype="a")),
+                          dtypes={"a": (torch.float32,), "unused": (torch.float16,)}), "dtypes names \\['unused'\\]")]:
+        with pytest.raises(fusekern.PatternError, match=why):
+            bad(**kw)
+    with pytest.raises(TypeError, match="positive must be True or False"):
+        fusekern.T("N", dtype=torch.float32, positive="no")
+    with pytest.raises(TypeError, match="max must be an int"):
+        fusekern.Dim(max=40.5)
+    assert "bad_types" not in {p.name for p in all_patterns()}

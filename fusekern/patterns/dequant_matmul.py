@@ -28,7 +28,9 @@ from fusekern.patterns.spec import T
 
 ACT = (torch.bfloat16, torch.float16)
 FLOAT = (torch.float32, torch.float16, torch.bfloat16)
-COMMON = dict(family="dequant_matmul", kernel_version=kernel.KERNEL_VERSION)
+# bind_specs=False: the checks below decide which inputs fire (wider than the traced specs: [1, N] and [1, 1, N]
+# scales, fp16 scales) and tests/test_w8a16_patterns.py proves those forms.
+COMMON = dict(family="dequant_matmul", kernel_version=kernel.KERNEL_VERSION, bind_specs=False)
 
 
 def _known(cond) -> bool:

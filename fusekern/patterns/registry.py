@@ -17,6 +17,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import math
 import os
 import sys
 import threading
@@ -26,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fusekern.patterns.spec import Dim, TensorSpec, Variant, make_inputs, trace_sizes, variants
+from fusekern.patterns.spec import Dim, TensorSpec, Variant, make_inputs, spec_mismatch, trace_sizes, variants
 
 log = logging.getLogger("fusekern")
 
@@ -76,6 +77,10 @@ class Pattern:
     stage: ``post_grad`` (GEMM families, before inductor's own weight-only-int8 rewrite) or ``joint``
     (sees random ops before inductor replaces them: sampling).
     kernel_version: changes whenever the replacement's kernels change (part of the cache key).
+    bind_specs: the compile rewrites only matches whose inputs fit the specs (``spec.spec_mismatch``: a
+    variant's dtypes and ranks, fixed sizes, each Dim's min and multiple_of), what registration traced and
+    the harness tests; False leaves that to ``check`` (the built-in W8A16 patterns, whose checks and tests
+    cover wider forms: [1, N] scales, fp16 scales).
     """
 
     name: str
@@ -90,6 +95,7 @@ class Pattern:
     kernel_version: str = ""
     tolerance: Mapping[torch.dtype, float] = field(default_factory=dict)
     description: str = ""
+    bind_specs: bool = True
 
     def __post_init__(self):
         self._pass = None
@@ -107,7 +113,7 @@ class Pattern:
             with open(path, "rb") as f:
                 h.update(f.read())
         h.update(repr((self.name, sorted(self.inputs.items()), sorted(self.dtypes.items(), key=str),
-                       sorted(self.dims.items()), self.stage, self.kernel_version)).encode())
+                       sorted(self.dims.items()), self.stage, self.kernel_version, self.bind_specs)).encode())
         h.update(_closure_of(self.check).encode())
         if not all(_in_package(fn) for fn in fns if fn is not None):
             # What the pass puts in a graph: the traced search and replacement of every variant, with the
@@ -156,11 +162,22 @@ class Pattern:
         except Exception as e:  # noqa: BLE001 - a broken check declines (the graph stays), with the reason
             log.warning("fusekern: the check of pattern %r raised %s: %s", self.name, type(e).__name__, e)
             return f"the pattern's check raised {type(e).__name__}: {e}"
+        if isinstance(verdict, torch.SymBool):  # (a comparison of dynamic sizes): fires only where it always holds
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+            return None if statically_known_true(verdict) else f"check's condition {verdict} is not known to hold " \
+                                                                "for every size this compile allows"
+        if type(verdict).__module__ == "numpy" and type(verdict).__name__ in ("bool", "bool_"):  # numpy's bool
+            verdict = bool(verdict)
         if verdict is None or verdict is True:
             return None
         if verdict is False:
             return "check returned False"
-        return str(verdict)
+        if not isinstance(verdict, str):
+            log.warning("fusekern: the check of pattern %r returned %r, not None, a bool or a reason string: declined",
+                        self.name, verdict)
+            return f"the pattern's check returned {type(verdict).__name__} {verdict!r}, not None, a bool or a reason"
+        return verdict
 
 
 @dataclass(eq=False)
@@ -354,6 +371,7 @@ def register_pattern(
     kernel_version: str = "",
     tolerance: Mapping[torch.dtype, float] | None = None,
     description: str = "",
+    bind_specs: bool = True,
 ):
     """Register a rewrite. Use directly, or as a decorator on the search function::
 
@@ -371,16 +389,28 @@ def register_pattern(
         def decorator(fn):
             register_pattern(name or fn.__name__, fn, replacement, inputs=inputs, dtypes=dtypes, dims=dims,
                              check=check, family=family, stage=stage, kernel_version=kernel_version,
-                             tolerance=tolerance, description=description)
+                             tolerance=tolerance, description=description, bind_specs=bind_specs)
             return fn
         return decorator
+    label = name or getattr(search, '__name__', search)
     if not isinstance(inputs, Mapping):
-        raise PatternError(f"pattern {name or getattr(search, '__name__', search)!r}: inputs must be a dict of "
+        raise PatternError(f"pattern {label!r}: inputs must be a dict of "
                            f"parameter name -> fusekern.T(...), got {type(inputs).__name__}")
+    for what, value, kind in (("dtypes", dtypes, "dtype variable -> tuple of torch dtypes"),
+                              ("dims", dims, "dim name -> fusekern.Dim(...)"),
+                              ("tolerance", tolerance, "torch dtype -> relative error")):
+        if value is not None and not isinstance(value, Mapping):
+            raise PatternError(f"pattern {label!r}: {what} must be a dict of {kind}, got {type(value).__name__}")
+    for what, value in (("description", description), ("kernel_version", kernel_version)):
+        if not isinstance(value, str):
+            raise PatternError(f"pattern {label!r}: {what} must be a string, got {type(value).__name__}")
+    if not isinstance(bind_specs, bool):
+        raise PatternError(f"pattern {label!r}: bind_specs must be True or False, got {bind_specs!r}")
     pattern = Pattern(
         name=name or search.__name__, search=search, replacement=replacement, inputs=dict(inputs),
         dtypes=dict(dtypes or {}), dims=dict(dims or {}), check=check, family=family, stage=stage,
         kernel_version=kernel_version, tolerance=dict(tolerance or {}), description=description,
+        bind_specs=bind_specs,
     )
     # The built-ins' own tests run them through inductor's pass (tests/test_backend_and_registry.py), and
     # importing fusekern should not trace them twice; user patterns are tried at registration.
@@ -391,9 +421,15 @@ def register_pattern(
 
 
 def unregister_pattern(name: str) -> None:
-    """Remove a pattern (tests and interactive use)."""
+    """Remove a pattern (tests and interactive use). KeyError for a name no pattern has: a misspelt name would
+    otherwise leave the pattern firing. The built-ins load first, so that removing one lasts."""
+    if not isinstance(name, str):
+        raise TypeError(f"unregister_pattern: pass the pattern's name (a string), got {type(name).__name__}")
+    load_patterns()
     with _registry_lock:
-        _patterns.pop(name, None)
+        if name not in _patterns:
+            raise KeyError(f"fusekern: no pattern named {name!r}; known: {sorted(_patterns)}")
+        _patterns.pop(name)
         _order.pop(name, None)
 
 
@@ -421,7 +457,8 @@ def validate(p: Pattern) -> None:
         if dim not in named:
             raise PatternError(f"pattern {p.name!r}: dims names {dim!r}, which no input's shape uses ({sorted(named)})")
     for dtype, tol in p.tolerance.items():
-        if not isinstance(dtype, torch.dtype) or not isinstance(tol, (int, float)) or not tol > 0:
+        if not isinstance(dtype, torch.dtype) or isinstance(tol, bool) or not isinstance(tol, (int, float)) \
+                or not 0 < tol < math.inf:
             raise PatternError(f"pattern {p.name!r}: tolerance must map torch dtypes to positive numbers, got "
                                f"{dtype!r}: {tol!r}")
     if p.family not in FAMILIES:
@@ -437,6 +474,9 @@ def validate(p: Pattern) -> None:
     for spec in p.inputs.values():
         if isinstance(spec.dtype, str) and spec.dtype not in p.dtypes:
             raise PatternError(f"pattern {p.name!r}: dtype variable {spec.dtype!r} has no values in dtypes=")
+    unused = sorted(set(p.dtypes) - {spec.dtype for spec in p.inputs.values() if isinstance(spec.dtype, str)})
+    if unused:
+        raise PatternError(f"pattern {p.name!r}: dtypes names {unused}, which no input's dtype uses")
     from torch._inductor.pattern_matcher import fwd_only
 
     for variant in p.variants():
@@ -501,6 +541,11 @@ def _rewrites_its_own_search(p: Pattern) -> None:
                                    f"traces it where the pattern matches (no .item(), .tolist(), .numpy(), control "
                                    f"flow on values, or torch.tensor(...) of Python values): {type(e).__name__}: "
                                    f"{e}") from e
+        mutating = [str(n.target) for n in replacement.nodes
+                    if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+        if mutating:
+            raise PatternError(f"{where}: the replacement writes in place ({', '.join(mutating)}): where it fires it "
+                               "would change a tensor the rest of the user's graph still reads; write it out of place")
         if any(n.op == "get_attr" for n in replacement.nodes):
             raise PatternError(f"{where}: the replacement builds a tensor constant (torch.tensor(...) of Python "
                                "values); make it an input or a Python scalar")
@@ -662,7 +707,7 @@ def _build_matcher_pass(p: Pattern):
         for arg in argnames:
             node = match.kwargs.get(arg)
             values[arg] = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
-        reason = p.run_check(values)
+        reason = (spec_mismatch(p.inputs, p.dtypes, p.dims, values) if p.bind_specs else None) or p.run_check(values)
         if reason is not None:
             record_rejection(p.name, match.output_nodes()[0], reason)
             return False

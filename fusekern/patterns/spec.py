@@ -25,6 +25,10 @@ class Dim:
     trace: int | None = None
 
     def __post_init__(self):
+        for name in ("min", "max", "multiple_of", "trace"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (name == "trace" and value is None):
+                raise TypeError(f"Dim: {name} must be an int, got {value!r}")
         if self.min < 1 or self.max < self.min or self.multiple_of < 1:
             raise ValueError(f"bad Dim {self}")
         lo, hi = self._multiples()
@@ -70,6 +74,8 @@ def T(*shape: str | int, dtype: torch.dtype | str, batch_dims: tuple[int, ...] =
             not all(isinstance(b, int) and b >= 0 for b in batch_dims):
         raise TypeError(f"T: batch_dims must be a tuple of counts of extra leading dims (e.g. (0, 1)), got "
                         f"{batch_dims!r}")
+    if not isinstance(positive, bool):
+        raise TypeError(f"T: positive must be True or False, got {positive!r}")
     return TensorSpec(tuple(shape), dtype, tuple(batch_dims), positive)
 
 
@@ -101,6 +107,65 @@ def resolve_dtype(spec: TensorSpec, variant: Variant) -> torch.dtype:
         return variant.dtypes[spec.dtype]
     except KeyError:
         raise KeyError(f"dtype variable {spec.dtype!r} has no values") from None
+
+
+def _known(cond) -> bool:
+    """True only where ``cond`` (a bool, or a SymBool of dynamic sizes) holds for every size the compile allows:
+    a match is declined rather than guarded (post-grad, new guards would be ignored)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
+
+
+def _variant_mismatch(inputs: Mapping[str, TensorSpec], variant: Variant, values: Mapping) -> str | None:
+    for name, spec in inputs.items():
+        t = values[name]
+        want = resolve_dtype(spec, variant)
+        if t.dtype != want:
+            return f"{name} is {t.dtype}, the pattern's spec {want}"
+        rank = len(spec.shape) + (variant.batch if variant.batch in spec.batch_dims else 0)
+        if t.dim() != rank:
+            return f"{name} has {t.dim()} dims, the pattern's spec {rank}"
+    return None
+
+
+def spec_mismatch(inputs: Mapping[str, TensorSpec], dtypes: Mapping[str, tuple[torch.dtype, ...]],
+                  dims: Mapping[str, Dim], values: Mapping) -> str | None:
+    """Why a match's inputs (fake tensors, by name) lie outside what the pattern declared, or None. The compile
+    rewrites only what registration traced and the harness tested: the dtypes and ranks of one variant, the
+    fixed sizes, one size per named dim (and per leading batch dim), and each named dim's ``Dim.min`` and
+    ``multiple_of`` (``Dim.max`` bounds only the harness's draws: model sizes run far above them). Inductor's
+    matcher compares ops, not these, so without this a pattern traced for fp32 2-D inputs fired on bf16 3-D ones."""
+    for name in inputs:
+        if not isinstance(values.get(name), torch.Tensor):
+            return f"{name} is not a tensor with known shape and dtype"
+    reasons = []
+    for variant in variants(inputs, dtypes):
+        why = _variant_mismatch(inputs, variant, values)
+        if why is None:
+            break
+        reasons.append(why)
+    else:
+        return "no traced variant fits: " + "; ".join(dict.fromkeys(reasons))
+    sizes: dict = {}
+    for name, spec in inputs.items():
+        t = values[name]
+        lead = t.dim() - len(spec.shape)
+        named = [f"B{i}" for i in range(lead)] + list(spec.shape)
+        for i, (d, size) in enumerate(zip(named, t.shape)):
+            if isinstance(d, int):
+                if not _known(size == d):
+                    return f"{name}'s dim {i} is {size}, the pattern's spec fixes {d}"
+            elif d in sizes and not _known(sizes[d] == size):
+                return f"{name}'s dim {i} ({d}) is {size}, another input's {d} is {sizes[d]}"
+            else:
+                sizes.setdefault(d, size)
+    for d, size in sizes.items():
+        dim = dims.get(d)
+        if dim is not None and not (_known(size >= dim.min) and _known(size % dim.multiple_of == 0)):
+            return (f"{d} = {size} is not known to be a multiple of {dim.multiple_of} and at least {dim.min} "
+                    f"(the pattern's Dim)")
+    return None
 
 
 def _values(shape, dtype: torch.dtype, positive: bool, gen: torch.Generator, device) -> torch.Tensor:

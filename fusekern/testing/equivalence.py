@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from fusekern.patterns.registry import GraphRewrite, Pattern, compute_dtype, get_pattern
 from fusekern.patterns.spec import make_inputs, random_sizes
@@ -110,23 +111,32 @@ def check_pattern(
     rng = random.Random(seed)
     variants = p.variants()
     result = CheckResult(p.name, device)
-    for i in range(draws):
+    # at least one draw per (variant, layout): with many variants, fewer draws left layouts untested
+    for i in range(max(draws, len(variants) * len(layouts))):
         variant = variants[i % len(variants)]
         layout = layouts[(i // len(variants)) % len(layouts)]
         sizes = random_sizes(p.inputs, p.dims, rng)
-        args = make_inputs(p.inputs, variant, sizes, device=device, seed=seed * 1000 + i, layout=layout)
+
+        def draw():  # the same values and layout for each run: one that writes into its inputs spoils no other's
+            return make_inputs(p.inputs, variant, sizes, device=device, seed=seed * 1000 + i, layout=layout)
+
+        args = draw()
         if p.run_check(_as_compiled_sees(args)) is not None:
             result.declined += 1
             continue
         want = p.search(**args)
-        got = p.replacement(**args)
+        got = p.replacement(**draw())
         try:
-            ref = p.search(**_upcast(args))
+            ref = p.search(**_upcast(draw()))
             note = ""
         except Exception:  # search code that only runs in the low-precision dtypes
             ref, note = want, "(reference: search in its own dtypes)"
         tol = p.tol(compute_dtype(want, *args.values()))
-        err = rel_err(got, ref)
+        if isinstance(want, torch.Tensor) and not (want.is_floating_point() or want.is_complex()):
+            err = 0.0 if got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()) else float("inf")
+            note = note or "(integer / bool output: must be equal)"
+        else:
+            err = rel_err(got, ref)
         if got.dtype != want.dtype or got.shape != want.shape:
             err, note = float("inf"), f"replacement gave {tuple(got.shape)} {got.dtype}, search {tuple(want.shape)} {want.dtype}"
         result.cases.append(Case(variant.label(), sizes, layout, err, tol, note))
@@ -199,14 +209,16 @@ def assert_compiled(
     compiled = torch.compile(fn, backend="fusekern", dynamic=dynamic, options=opts)
     errors = []
     for call_args in (tuple(args), *map(tuple, extra_args)):
+        # eager runs on copies taken before the compiled call: where either writes into its inputs, both must
+        # write the same (a rewrite that clobbers an input the user reads again is caught here)
+        eager_args = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, call_args)
         got = compiled(*call_args)
-        want = fn(*call_args)
-        t = tol if tol is not None else _default_tol(want, *call_args)
-        err = rel_err(got, want)
+        want = fn(*eager_args)
+        t = tol if tol is not None else _default_tol(*tree_leaves(want), *tree_leaves(call_args))
+        err = _compare("output", got, want, t)
+        for i, (a, b) in enumerate(zip(call_args, eager_args)):
+            _compare(f"argument {i} after the call", a, b, t)
         errors.append(err)
-        if got.dtype != want.dtype or not err <= t:  # (NaN fails)
-            raise AssertionError(f"compiled output differs from eager: rel_err={err:.3g} (tolerance {t:.3g}), "
-                                 f"dtype {got.dtype} vs {want.dtype}, shapes {tuple(got.shape)} vs {tuple(want.shape)}")
     report = fusekern.match_report()
     counts = dict(report.fired())
     if report.cache_hits:
@@ -221,6 +233,35 @@ def assert_compiled(
         if op not in targets:
             raise AssertionError(f"{op} is not in the compiled graph:\n" + "\n".join(capture.graphs))
     return CompiledCheck(counts, capture.graphs, targets, errors)
+
+
+def _compare(what: str, got, want, tol: float) -> float:
+    """The largest relative error over the tensors of ``got`` and ``want`` (nested outputs compared leaf by
+    leaf; integer and bool tensors and non-tensor leaves must be equal); AssertionError where they differ."""
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    if got_spec != want_spec:
+        raise AssertionError(f"compiled {what} has another structure than eager's: {got_spec} vs {want_spec}")
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        where = what if len(want_leaves) == 1 else f"{what} [{i}]"
+        if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
+            if type(g) is not type(w) or not g == w:
+                raise AssertionError(f"compiled {where} differs from eager: {g!r} vs {w!r}")
+            continue
+        if g.dtype != w.dtype or g.shape != w.shape:
+            raise AssertionError(f"compiled {where} differs from eager: dtype {g.dtype} vs {w.dtype}, shapes "
+                                 f"{tuple(g.shape)} vs {tuple(w.shape)}")
+        if not (w.is_floating_point() or w.is_complex()):
+            if not torch.equal(g.cpu(), w.cpu()):
+                raise AssertionError(f"compiled {where} differs from eager: {w.dtype} values must be equal")
+            continue
+        err = rel_err(g, w)
+        if not err <= tol:  # (NaN fails)
+            raise AssertionError(f"compiled {where} differs from eager: rel_err={err:.3g} (tolerance {tol:.3g}), "
+                                 f"dtype {g.dtype}, shape {tuple(g.shape)}")
+        worst = max(worst, err)
+    return worst
 
 
 def _check_op_name(name: str) -> None:
