@@ -2,7 +2,12 @@
 stock ``torch.compile`` and with ``backend="fusekern"``, timed back to back (host-bound at B = 1), the
 launches per step counted, and fusekern's Python time broken down with cProfile.
 
-    python benchmarks/profile_e2e_host.py [--batch 1] [--calls 200] [--top 30] [--csv out.csv]
+    python benchmarks/profile_e2e_host.py [--batch 1] [--calls 200] [--top 30] [--csv out.csv] [--first-batch 1]
+
+``--first-batch B0``: call both compiled functions once at batch B0 first (a fresh model of that batch, the same
+code), as ``bench_e2e_decode.py --batches B0,B`` does: Dynamo then recompiles the code for the second batch with a
+symbolic batch dim (automatic dynamic shapes), and the profile is of that graph, as a server whose batch changes
+runs it.
 """
 from __future__ import annotations
 
@@ -42,12 +47,21 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--first-batch", type=int, default=None)
     args = ap.parse_args()
     out, info = RowWriter(args.csv), versions()
     cfg = LLAMA3_8B_SHAPED
+    pos = torch.tensor([PROMPT_LEN], device="cuda")
+    if args.first_batch is not None:  # the same code compiled at another batch first (see the module doc)
+        torch.manual_seed(0)
+        first = Decoder(cfg, "w4a16", args.first_batch, "cuda").eval()
+        x0 = torch.randn(args.first_batch, 1, cfg.dim, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            for f in (torch.compile(layers_fn(first)), torch.compile(layers_fn(first), backend="fusekern")):
+                f(x0, pos)
+        del first
     torch.manual_seed(0)
     model = Decoder(cfg, "w4a16", args.batch, "cuda").eval()
-    pos = torch.tensor([PROMPT_LEN], device="cuda")
     x = torch.randn(args.batch, 1, cfg.dim, device="cuda", dtype=torch.bfloat16)
     fns = {"stock": torch.compile(layers_fn(model)), "fusekern": torch.compile(layers_fn(model), backend="fusekern")}
     with torch.no_grad():
@@ -63,7 +77,7 @@ def main():
             n = launches(f, (x, pos))
             print(f"{name:9s} launches per step: {n}", flush=True)
             for rep in range(2):
-                out.write(dict(scope="layers", batch=args.batch, impl=name, timing_pass=rep,
+                out.write(dict(scope="layers", batch=args.batch, first_batch=args.first_batch, impl=name, timing_pass=rep,
                                us_per_call=round(timed[name, rep], 1), launches_per_step=sum(n.values()), **info))
         out.close()
         prof = cProfile.Profile()
