@@ -732,3 +732,49 @@ def test_a_float_cast_to_bool_is_nonzero_not_truncation():
     got = dm.decode_mm_triton(x.to(DEVICE), [t.to(DEVICE) for t in leaves], text, None,
                               config=dm.Config(1, 32, 64, 1, 1, 4, 1))
     assert rel_err(got.cpu(), want) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cfg", [dm.Config(1, 16, 32, 2, 1, 4, 2), dm.DequantConfig(BLOCK_K=32, BLOCK_N=16)],
+                         ids=["gemv", "dequant"])
+def test_generated_kernel_wraps_abs(cfg):
+    """``|-128|`` is -128 in int8 (torch and the program wrap it; the generated ``tl.abs`` gave +128, and the tuner
+    checks its configs against the same generated code: found in review)."""
+    g = torch.Generator().manual_seed(3)
+    M, K, N = 3, 128, 48
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    w[:, ::7] = -128
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    w, s = w.to(DEVICE), s.to(DEVICE)
+
+    def absolute(x, w, s):
+        return x @ (w.abs().to(x.dtype) * s[:, None]).t()
+
+    text, leaves, _ = decode_program(absolute, x, w, s)
+    assert "abs" in text
+    got = dm.decode_mm_triton(x, leaves, text, config=cfg)
+    assert rel_err(got, absolute(x, w, s)) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu  # (Triton's interpreter turns e4m3fn's NaN code into a number before the max)
+@pytest.mark.parametrize("cfg", [dm.Config(1, 16, 32, 2, 1, 4, 2), dm.DequantConfig(BLOCK_K=32, BLOCK_N=16)],
+                         ids=["gemv", "dequant"])
+def test_generated_kernel_keeps_nan_through_max(cfg):
+    """``torch.maximum`` propagates an fp8 NaN code; ``tl.maximum`` drops it unless asked (found in review)."""
+    g = torch.Generator().manual_seed(3)
+    M, K, N = 3, 128, 48
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(DEVICE, torch.bfloat16)
+    w8 = torch.randn(N, K, generator=g).to(torch.float8_e4m3fn)
+    w8.view(torch.uint8)[5, 9] = 0x7F  # e4m3fn's NaN
+    w8 = w8.to(DEVICE)
+    lo = torch.full((N, 1), -0.5, dtype=torch.bfloat16, device=DEVICE)
+
+    def floored(x, w8, s, lo):
+        return x @ torch.maximum(w8.to(x.dtype) * s[:, None], lo).t()
+
+    text, leaves, _ = decode_program(floored, x, w8, s, lo)
+    assert '"max"' in text
+    got = dm.decode_mm_triton(x, leaves, text, config=cfg)
+    want = floored(x, w8, s, lo)
+    assert want[:, 5].isnan().all() and rel_err(got, want) <= TOL[torch.bfloat16]

@@ -639,14 +639,16 @@ def decode_source(prog: DecodeProgram) -> str:
             lines.append(f"v{i} = {_wrap(r, d) if is_int(d) else r}")
         elif op == "div":
             lines.append(f"v{i} = tl.math.div_rn({ref(args[0], d)}, {ref(args[1], d)})")
-        elif op in ("max", "min"):
+        elif op in ("max", "min"):  # torch.maximum / minimum propagate NaN (an fp8 code can be one)
             fn = "tl.maximum" if op == "max" else "tl.minimum"
-            lines.append(f"v{i} = {fn}({ref(args[0], d)}, {ref(args[1], d)})")
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if d.is_floating_point else ""
+            lines.append(f"v{i} = {fn}({ref(args[0], d)}, {ref(args[1], d)}{nan})")
         elif op == "neg":
             r = f"(-{ref(args[0], d)})"
             lines.append(f"v{i} = {_wrap(r, d) if is_int(d) else r}")
-        elif op == "abs":
-            lines.append(f"v{i} = tl.abs({ref(args[0], d)})")
+        elif op == "abs":  # (wrapped: |-128| is -128 in int8, in torch as in the program)
+            r = f"tl.abs({ref(args[0], d)})"
+            lines.append(f"v{i} = {_wrap(r, d) if is_int(d) else r}")
         elif op == "exp2":
             lines.append(f"v{i} = tl.exp2({ref(args[0], d)})")
         elif op == "not":
