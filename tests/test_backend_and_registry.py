@@ -579,6 +579,14 @@ def test_option_values_are_checked():
         FusekernOptions.parse({"fusekern.debug": "false"})
     with pytest.raises(TypeError, match="fusekern.dump_dir must be a path"):
         FusekernOptions.parse({"fusekern.dump_dir": 3})
+    # inductor's options as torch.compile's inductor wrapper takes them (from review)
+    assert FusekernOptions.parse({"max-autotune": True}).inductor == {"max_autotune": True}
+    with pytest.raises(TypeError, match="'triton.cudagraphs' takes a bool, got str 'yes'"):
+        FusekernOptions.parse({"triton.cudagraphs": "yes"})
+    with pytest.raises(TypeError, match="option names are strings"):
+        FusekernOptions.parse({3: True})
+    with pytest.raises(ValueError, match="unknown option 'disable'.*the prefix: 'fusekern.disable'"):
+        FusekernOptions.parse({"disable": ["sampling"]})
 
 
 def test_harness_arguments_cannot_make_a_check_vacuous():
@@ -891,3 +899,58 @@ def test_registration_argument_types_are_checked():
     with pytest.raises(TypeError, match="max must be an int"):
         fusekern.Dim(max=40.5)
     assert "bad_types" not in {p.name for p in all_patterns()}
+
+
+def test_rewrite_fingerprint_follows_its_closure_and_code_without_a_file():
+    """A rewrite built by a factory (``make(k)``) or written where there is no file (``python -c``, a notebook): its
+    fingerprint, part of the FX cache key, did not change with k or with the code, and a later process loaded the
+    old rewrite's graph (found in review)."""
+    from fusekern.patterns.registry import GraphRewrite
+
+    def make(k):
+        def rewrite(graph):
+            return int(k)
+        return rewrite
+
+    assert GraphRewrite("r", make(2.0)).fingerprint != GraphRewrite("r", make(5.0)).fingerprint
+    assert GraphRewrite("r", make(2.0)).fingerprint == GraphRewrite("r", make(2.0)).fingerprint
+    fns = {}
+    for body in ("return 1", "return 2"):
+        exec(f"def rewrite(graph):\n    {body}\n", fns)  # no file behind it
+        fns[body] = GraphRewrite("r", fns["rewrite"]).fingerprint
+    assert fns["return 1"] != fns["return 2"]
+
+
+def test_cache_hits_report_dynamic_graphs_and_joint_passes_once(tmp_path):
+    """Two report bugs of a second process loading graphs from inductor's FX cache (found in review): a graph
+    with a dynamic size was keyed by the first call's size, so another size found "no record of what fired"; and
+    where AOTAutograd's cache is bypassed (an ``allow_in_graph`` helper), the joint passes run again before the FX
+    lookup, and the sampler counted twice."""
+    code = (
+        "import torch, torch.nn.functional as F, fusekern, sys\n"
+        "@torch._dynamo.allow_in_graph\n"
+        "def scale(x):\n    return x / 0.7\n"
+        "def sample(logits):\n"
+        "    probs = torch.softmax(scale(logits), dim=-1)\n"
+        "    return torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)\n"
+        "torch.compile(sample, backend='fusekern')(torch.randn(4, 64))\n"
+        "r = fusekern.match_report()\n"
+        "print('SAMPLE', dict(r.fired()), dict(r.cached_fired))\n"
+        "fusekern.reset_match_report()\n"
+        "f = torch.compile(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s, backend='fusekern')\n"
+        "w = torch.randint(-9, 9, (16, 32), dtype=torch.int8); s = torch.rand(16)\n"
+        "for m in map(int, sys.argv[1:]):\n"
+        "    f(torch.randn(m, 32, dtype=torch.bfloat16), w, s)\n"
+        "r = fusekern.match_report()\n"
+        "print('LINEAR', dict(r.fired()), dict(r.cached_fired), 'unknown', r.cached_unknown)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    runs = [subprocess.run([sys.executable, "-c", code, *sizes], capture_output=True, text=True, env=env, timeout=600)
+            for sizes in (("3", "5"), ("3", "6"))]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+    assert "SAMPLE {'sample': 1} {}" in runs[0].stdout
+    assert "SAMPLE {} {'sample': 1}" in runs[1].stdout
+    assert "LINEAR {'w8a16_linear_scale': 2} {} unknown 0" in runs[0].stdout  # (M = 5: recompiled, M dynamic)
+    assert "LINEAR {} {'w8a16_linear_scale': 2} unknown 0" in runs[1].stdout

@@ -131,3 +131,22 @@ def test_gpu_entry_calls_the_cuda_function_unless_the_dispatcher_would_do_more()
         warnings.simplefilter("ignore")  # that no autograd kernel is registered; it does not raise)
         direct_calls._call(DECODE_MM, spy, *wants_grad)
     assert calls == [1]  # (the spy, the CUDA function, was not called)
+
+
+@pytest.mark.usefixtures("no_compile_caches")
+def test_stock_inductor_keeps_the_ops_own_line_after_a_fusekern_compile():
+    """The fallback lowering is global to the process: once fusekern's backend had installed it, a stock
+    ``backend="inductor"`` compile of a graph calling a fusekern op also named ``extern_kernels.fusekern_*``, and its
+    FX cache entry failed in a later process that never ran fusekern's backend (found in review)."""
+    fn, x, weights = _gptq()
+    torch._dynamo.reset()
+    run_and_get_code(torch.compile(fn, backend="fusekern"), x, *weights)  # installs the direct lowering
+    args, kwargs = _entry_args(torch.compile(fn, backend="fusekern"), x, weights)
+    torch._dynamo.reset()
+
+    def calls_the_op(x, *leaves):
+        return DECODE_MM(x, list(leaves), *args[2:], **kwargs)
+
+    out, (code,) = run_and_get_code(torch.compile(calls_the_op, backend="inductor"), args[0], *args[1])
+    assert "extern_kernels.fusekern_decode_mm(" not in code
+    assert torch.equal(out, DECODE_MM(*args, **kwargs))

@@ -17,7 +17,8 @@ from fusekern.compiler_pass.example_inputs import digest as example_digest
 from fusekern.compiler_pass.example_inputs import provided as example_inputs_for_passes
 from fusekern.compiler_pass.options import FusekernOptions
 from fusekern.compiler_pass.pass_manager import make_stage_passes
-from fusekern.compiler_pass.report import add_cache_hits, cached_fired, compiled_key, graphs_so_far, record_compiled
+from fusekern.compiler_pass.report import (add_cache_hits, cached_fired, compiled_key, discard_since, graphs_so_far,
+                                           record_compiled)
 from fusekern.patterns.registry import FAMILIES, Pattern, all_patterns
 
 log = logging.getLogger("fusekern")
@@ -40,10 +41,22 @@ def select_patterns(options: FusekernOptions) -> list[Pattern]:
 
 
 def _layout(t) -> tuple | str:
-    """What of an example input a compiled graph depends on, for the match record's key."""
+    """What of an example input a compiled graph depends on, for the match record's key: its placeholder's
+    example value where Dynamo left one (a dynamic size as its symbol, not the first call's size, which a
+    later process calling with another size would not find)."""
     if isinstance(t, torch.Tensor):
-        return (tuple(t.shape), t.stride(), t.dtype, t.device.type)
-    return repr(t)
+        def dims(sizes):
+            return tuple(s if isinstance(s, int) else str(s) for s in sizes)
+        return (dims(t.shape), dims(t.stride()), t.dtype, t.device.type)
+    return repr(t) if isinstance(t, (int, float, bool, str, type(None))) else str(t)
+
+
+def _layouts(gm, example_inputs) -> list:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta.get("example_value", t) for n, t in zip(placeholders, example_inputs)]
+    if len(values) != len(example_inputs):
+        values = list(example_inputs)
+    return [_layout(v) for v in values]
 
 
 def fusekern_backend(
@@ -76,20 +89,21 @@ def fusekern_backend(
     # one graph, so the larger count, not the sum.
     fx_before, aot_before = counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
     mark = graphs_so_far()
-    with no_cache, example_inputs_for_passes(example_inputs):
+    with no_cache, example_inputs_for_passes(example_inputs), direct_calls.active():
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     hits = max(counters["inductor"]["fxgraph_cache_hit"] - fx_before,
                counters["aot_autograd"]["autograd_cache_hit"] - aot_before)
     # What fired, kept beside inductor's cache so that a later process that loads this graph can say it
     # (advisory: no failure of it fails the compile)
     try:
-        key = compiled_key(gm.code, [_layout(t) for t in example_inputs], mode,
+        key = compiled_key(gm.code, _layouts(gm, example_inputs), mode,
                            sorted((k, repr(v)) for k, v in config_patches.items() if not hasattr(v, "uuid")),
                            [p.uuid() for p in passes.values()])
     except Exception as e:  # noqa: BLE001
         log.debug("fusekern: no match record for this graph: %s", e)
         key = None
     if hits:
+        discard_since(mark)  # (joint passes that ran again before the FX lookup: the record counts them)
         add_cache_hits(hits, cached_fired(key) if key is not None else None)
     elif key is not None:
         record_compiled(key, mark)

@@ -20,6 +20,8 @@ line goes through ``torch.ops`` as before.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Callable
 
@@ -29,6 +31,23 @@ _ENTRIES: dict = {}  # op overload -> (name in extern_kernels, CUDA function)
 # The modules that define ops and ``register`` them (imported by ``install``: the passes import kernels lazily).
 KERNEL_MODULES = ("decode_attention", "decode_mm", "decode_mm_group", "fp8_kv_attention", "masked_argmax", "sampler",
                   "scaled_mm", "w8a16_linear")
+
+
+# Set by fusekern's backend around its compile: the lowering below renames the fallback only then. The lowering
+# table is inductor's, global to the process: a stock ``backend="inductor"`` compile of a graph calling a fusekern
+# op must keep inductor's own ``torch.ops`` line, which its FX cache key describes (a cached wrapper naming
+# ``extern_kernels.fusekern_*`` failed in a later process that had not run fusekern's backend).
+_ACTIVE = contextvars.ContextVar("fusekern_direct_calls", default=False)
+
+
+@contextlib.contextmanager
+def active():
+    """Compiles inside this context (fusekern's backend) emit the direct calls."""
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def register(op: torch._ops.OpOverload, cuda_fn: Callable) -> None:
@@ -98,7 +117,7 @@ def _direct_lowering(op, name: str, fallback):
     def lower(*args, **kwargs):
         start = len(V.graph.operations)
         out = fallback(*args, **kwargs)
-        if not V.graph.cpp_wrapper:
+        if _ACTIVE.get() and not V.graph.cpp_wrapper:
             for node in V.graph.operations[start:]:
                 if isinstance(node, ir.FallbackKernel) and node.op_overload is op:
                     node.python_kernel_name = f"extern_kernels.{name}"

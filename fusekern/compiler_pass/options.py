@@ -35,13 +35,16 @@ class FusekernOptions:
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
         for key, value in options.items():
+            if not isinstance(key, str):
+                raise TypeError(f"fusekern: option names are strings, got {key!r}")
             if key.startswith(PREFIX):
                 short = key[len(PREFIX):]
                 if short not in KEYS:
                     raise ValueError(f"fusekern: unknown option {key!r}; known: {[PREFIX + k for k in KEYS]}")
                 ours[short] = value
             else:
-                inductor[key] = value
+                name, value = _inductor_option(key, value)
+                inductor[name] = value
         for key in ("enable", "disable"):
             if key in ours and ours[key] is not None:
                 value = ours[key]
@@ -65,3 +68,24 @@ class FusekernOptions:
 
     def dumps(self) -> bool:
         return self.debug or self.dump_dir is not None
+
+
+def _inductor_option(key: str, value):
+    """An inductor config patch checked as ``torch.compile``'s inductor wrapper checks its options (``-`` read as
+    ``_``, the name known, the value of the option's type), so that a typo or a wrong type fails here, naming the
+    option, not inside inductor's compile."""
+    from typing import get_origin
+
+    from torch._inductor import config
+
+    name = key.replace("-", "_")
+    if name not in config.get_config_copy():
+        short = name if name in KEYS else None
+        hint = f" (fusekern's own options take the prefix: {PREFIX + short!r})" if short else ""
+        raise ValueError(f"fusekern: unknown option {key!r}: neither fusekern's ({[PREFIX + k for k in KEYS]}) nor an "
+                         f"inductor config{hint}")
+    kind = config.get_type(name) if hasattr(config, "get_type") else None
+    if isinstance(kind, type) and get_origin(kind) is None and not isinstance(value, kind):
+        raise TypeError(f"fusekern: inductor option {key!r} takes a {kind.__name__}, got {type(value).__name__} "
+                        f"{value!r}")
+    return name, value

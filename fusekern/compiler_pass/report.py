@@ -123,6 +123,16 @@ def add_cache_hits(n: int, fired: collections.Counter | None = None) -> None:
             _report.cached_fired.update(fired)
 
 
+def discard_since(mark: tuple) -> None:
+    """Drop the graph reports made since ``mark``: on a hit of inductor's FX graph cache the joint-graph passes
+    had run again before the lookup (AOTAutograd's cache missed), and the hit's record already counts what they
+    fired when the graph was first compiled."""
+    report, start = mark
+    with _lock:
+        if report is _report:
+            del report.graphs[start:]
+
+
 def graphs_so_far() -> tuple:
     """A mark of the graph reports there are now (``record_compiled`` takes those after it)."""
     with _lock:

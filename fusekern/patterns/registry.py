@@ -200,10 +200,17 @@ class GraphRewrite:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """The code of the rewrite's whole module (its matchers and replacement builders) and identity."""
+        """The code of the rewrite's whole module (its matchers and replacement builders), the values its source
+        does not show (a closure's cells, its constants, the plain globals it reads: ``_closure_of``) and identity.
+        Without a module file (a REPL, a notebook, ``python -c``) the function's bytecode and constants stand for
+        its source: a module's repr never changes, and a cached graph of the old rewrite was reused."""
         h = hashlib.sha256()
         module = inspect.getmodule(self.rewrite)
-        h.update((_source_of(module) if module is not None else _source_of(self.rewrite)).encode())
+        if module is not None and _file_of(self.rewrite) is not None:
+            h.update(_source_of(module).encode())
+        else:
+            h.update(_stable_repr(getattr(self.rewrite, "__code__", None) or self.rewrite).encode())
+        h.update(_closure_of(self.rewrite).encode())
         h.update(repr((self.name, self.stage, self.kernel_version)).encode())
         return h.hexdigest()[:16]
 
