@@ -437,6 +437,18 @@ def test_user_pattern_fingerprint_follows_the_constants_its_check_reads(tmp_path
         sys.modules.pop("user_check_pat", None)
 
 
+def _processes_sharing_a_cache(tmp_path, code: str, argvs) -> list[subprocess.CompletedProcess]:
+    """``code`` run in one fresh process per argument list, one after another, with inductor's caches on and in
+    ``tmp_path`` (each run must succeed)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    runs = [subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=600)
+            for argv in argvs]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+    return runs
+
+
 def test_a_graph_from_inductors_cache_reports_what_fired_when_compiled(tmp_path):
     """A second process loads the graph from inductor's FX graph cache, so the passes do not run; the report
     says so, once per graph (the AOTAutograd and FX caches both count the same graph), with what fired when
@@ -450,12 +462,7 @@ def test_a_graph_from_inductors_cache_reports_what_fired_when_compiled(tmp_path)
         "print('FIRED', dict(r.fired()), 'HITS', r.cache_hits, 'CACHED', dict(r.cached_fired))\n"
         "print(r)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-            for _ in range(2)]
-    for proc in runs:
-        assert proc.returncode == 0, proc.stderr
+    runs = _processes_sharing_a_cache(tmp_path, code, [(), ()])
     assert "FIRED {'w8a16_linear_scale': 1} HITS 0 CACHED {}" in runs[0].stdout
     assert "FIRED {} HITS 1 CACHED {'w8a16_linear_scale': 1}" in runs[1].stdout
     assert "w8a16_linear_scale                       x1 (when first compiled)" in runs[1].stdout
@@ -944,12 +951,7 @@ def test_cache_hits_report_dynamic_graphs_and_joint_passes_once(tmp_path):
         "r = fusekern.match_report()\n"
         "print('LINEAR', dict(r.fired()), dict(r.cached_fired), 'unknown', r.cached_unknown)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
-    runs = [subprocess.run([sys.executable, "-c", code, *sizes], capture_output=True, text=True, env=env, timeout=600)
-            for sizes in (("3", "5"), ("3", "6"))]
-    for proc in runs:
-        assert proc.returncode == 0, proc.stderr
+    runs = _processes_sharing_a_cache(tmp_path, code, [("3", "5"), ("3", "6")])
     assert "SAMPLE {'sample': 1} {}" in runs[0].stdout
     assert "SAMPLE {} {'sample': 1}" in runs[1].stdout
     assert "LINEAR {'w8a16_linear_scale': 2} {} unknown 0" in runs[0].stdout  # (M = 5: recompiled, M dynamic)
