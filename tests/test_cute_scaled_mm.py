@@ -524,9 +524,10 @@ def blocks_per_pass(request, monkeypatch):
 @pytest.mark.gpu
 # N = 296: the last tile's second 128-column half lies wholly past N (its b_block row clamped); K = 128, 1008, 1136,
 # 512 and 848: 1, 8 (the last partial), 9, 4 and 7 (partial) K blocks (with eight K blocks to a pass: no full
-# pass, one, one and one block, no full pass, no full pass); M = 1, 777 and 129: M tails of a 128-row tile.
+# pass, one, one and one block, no full pass, no full pass; K = 2176: 17 blocks, two full passes and one block);
+# M = 1, 777 and 129: M tails of a 128-row tile.
 @pytest.mark.parametrize("m,n,k", [(1, 256, 128), (100, 296, 1008), (777, 7168, 1136), (4096, 1664, 512),
-                                   (129, 640, 848)], ids=lambda v: str(v))
+                                   (129, 640, 848), (129, 640, 2176)], ids=lambda v: str(v))
 @pytest.mark.parametrize("one_row_a", [False, True], ids=["a_rows", "a_one_row"])
 @pytest.mark.parametrize("epilogue", [(False, False, None), (True, True, torch.float32)],
                          ids=lambda e: f"row{int(e[0])}col{int(e[1])}bias{e[2]}")
