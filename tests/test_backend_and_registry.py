@@ -793,6 +793,18 @@ def test_a_replacement_that_writes_in_place_is_refused():
                                   inputs=dict(x=fusekern.T("M", "N", dtype=torch.float32),
                                               w=fusekern.T("M", "N", dtype=torch.float32)))
     assert "user_relu_inplace" not in {p.name for p in all_patterns()}
+    # writes into tensors the replacement made itself change nothing the graph reads: registered
+    spec = dict(x=fusekern.T("M", "N", dtype=torch.float32), w=fusekern.T("M", "N", dtype=torch.float32))
+
+    def out_form(x, w):
+        out = torch.empty_like(x)
+        torch.mul(torch.relu(x), w, out=out)
+        return out
+
+    for name, replacement in (("user_out_form", out_form),
+                              ("user_fresh_in_place", lambda x, w: torch.zeros_like(x).add_(torch.relu(x) * w))):
+        fusekern.register_pattern(name, lambda x, w: torch.relu(x) * w, replacement, inputs=spec)
+        fusekern.unregister_pattern(name)
 
 
 def test_harness_runs_each_function_on_its_own_inputs():
@@ -956,3 +968,30 @@ def test_cache_hits_report_dynamic_graphs_and_joint_passes_once(tmp_path):
     assert "SAMPLE {} {'sample': 1}" in runs[1].stdout
     assert "LINEAR {'w8a16_linear_scale': 2} {} unknown 0" in runs[0].stdout  # (M = 5: recompiled, M dynamic)
     assert "LINEAR {} {'w8a16_linear_scale': 2} unknown 0" in runs[1].stdout
+
+
+def test_assert_compiled_keeps_the_arguments_aliasing_for_eager():
+    def fn(x, row):  # writes x, reads its view
+        x.mul_(2)
+        return row + 1
+
+    x = torch.randn(4, 8)
+    assert_compiled(fn, (x, x[0]), fired={})
+
+
+def test_a_compile_with_no_pattern_leaves_stock_inductors_cache_alone(tmp_path):
+    """With no pattern selected fusekern adds no pass, so its FX cache key is stock inductor's: a direct call
+    written then was loaded by a later stock compile, which could not find it (found in review)."""
+    code = (
+        "import sys, torch, fusekern\n"
+        "import fusekern.kernels.w8a16_linear\n"
+        "def f(x, w, s):\n"
+        "    return torch.ops.fusekern.w8a16_linear(x, w, s, None, torch.bfloat16) * 2\n"
+        "x = torch.randn(3, 32, dtype=torch.bfloat16); w = torch.randint(-9, 9, (16, 32), dtype=torch.int8)\n"
+        "s = torch.rand(16, dtype=torch.bfloat16)\n"
+        "opts = {'fusekern.enable': []} if sys.argv[1] == 'fusekern' else None\n"
+        "out = torch.compile(f, backend=sys.argv[1], options=opts)(x, w, s)\n"
+        "print('OK', torch.allclose(out.float(), f(x, w, s).float()))\n"
+    )
+    runs = _processes_sharing_a_cache(tmp_path, code, [("fusekern",), ("inductor",)])
+    assert all("OK True" in r.stdout for r in runs)

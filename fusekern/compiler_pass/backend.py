@@ -53,9 +53,9 @@ def _layout(t) -> tuple | str:
 
 def _layouts(gm, example_inputs) -> list:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return [_layout(t) for t in example_inputs]
     values = [n.meta.get("example_value", t) for n, t in zip(placeholders, example_inputs)]
-    if len(values) != len(example_inputs):
-        values = list(example_inputs)
     return [_layout(v) for v in values]
 
 
@@ -89,7 +89,10 @@ def fusekern_backend(
     # one graph, so the larger count, not the sum.
     fx_before, aot_before = counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
     mark = graphs_so_far()
-    with no_cache, example_inputs_for_passes(example_inputs), direct_calls.active():
+    # The direct calls only where fusekern's passes are in the config: their uuids put them in inductor's cache
+    # key, which with no pattern selected is stock inductor's, whose cached code must not name them.
+    direct = direct_calls.active() if passes else contextlib.nullcontext()
+    with no_cache, example_inputs_for_passes(example_inputs), direct:
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     hits = max(counters["inductor"]["fxgraph_cache_hit"] - fx_before,
                counters["aot_autograd"]["autograd_cache_hit"] - aot_before)

@@ -34,6 +34,7 @@ class FusekernOptions:
             raise TypeError(f"fusekern: options must be a dict, got {type(options).__name__}")
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
+        known: set | None = None  # inductor's config names, read once where an option needs them
         for key, value in options.items():
             if not isinstance(key, str):
                 raise TypeError(f"fusekern: option names are strings, got {key!r}")
@@ -43,7 +44,10 @@ class FusekernOptions:
                     raise ValueError(f"fusekern: unknown option {key!r}; known: {[PREFIX + k for k in KEYS]}")
                 ours[short] = value
             else:
-                name, value = _inductor_option(key, value)
+                if known is None:
+                    from torch._inductor import config
+                    known = set(config.get_config_copy())
+                name, value = _inductor_option(key, value, known)
                 inductor[name] = value
         for key in ("enable", "disable"):
             if key in ours and ours[key] is not None:
@@ -70,7 +74,7 @@ class FusekernOptions:
         return self.debug or self.dump_dir is not None
 
 
-def _inductor_option(key: str, value):
+def _inductor_option(key: str, value, known: set):
     """An inductor config patch checked as ``torch.compile``'s inductor wrapper checks its options (``-`` read as
     ``_``, the name known, the value of the option's type), so that a typo or a wrong type fails here, naming the
     option, not inside inductor's compile."""
@@ -79,7 +83,7 @@ def _inductor_option(key: str, value):
     from torch._inductor import config
 
     name = key.replace("-", "_")
-    if name not in config.get_config_copy():
+    if name not in known:
         short = name if name in KEYS else None
         hint = f" (fusekern's own options take the prefix: {PREFIX + short!r})" if short else ""
         raise ValueError(f"fusekern: unknown option {key!r}: neither fusekern's ({[PREFIX + k for k in KEYS]}) nor an "

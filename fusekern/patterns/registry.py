@@ -548,8 +548,7 @@ def _rewrites_its_own_search(p: Pattern) -> None:
                                    f"traces it where the pattern matches (no .item(), .tolist(), .numpy(), control "
                                    f"flow on values, or torch.tensor(...) of Python values): {type(e).__name__}: "
                                    f"{e}") from e
-        mutating = [str(n.target) for n in replacement.nodes
-                    if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+        mutating = _writes_to_inputs(replacement)
         if mutating:
             raise PatternError(f"{where}: the replacement writes in place ({', '.join(mutating)}): where it fires it "
                                "would change a tensor the rest of the user's graph still reads; write it out of place")
@@ -622,6 +621,33 @@ def _check_traced_search(where: str, graph: torch.fx.Graph, names: list[str]) ->
     if any(n.op == "get_attr" for n in graph.nodes):
         raise PatternError(f"{where}: the search builds a tensor constant (torch.tensor(...) of Python values), "
                            "which inductor's matcher cannot match; make it an input of the pattern")
+
+
+def _writes_to_inputs(graph: torch.fx.Graph) -> list[str]:
+    """The ops of a traced replacement that write into one of its inputs (through views of it): ``x.relu_()``.
+    Writes into a tensor the replacement made itself (``torch.empty_like(x)`` as an ``out=``, a custom op's
+    output buffer, ``.exponential_()`` of a fresh tensor) change nothing the user's graph reads."""
+    def reaches_input(node) -> bool:
+        while isinstance(node, torch.fx.Node) and node.op == "call_function":
+            target = node.target
+            returns = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
+            if not (returns and returns[0].alias_info is not None and node.args):  # not a view: a new tensor
+                return False
+            node = node.args[0]
+        return isinstance(node, torch.fx.Node) and node.op == "placeholder"
+
+    found = []
+    for n in graph.nodes:
+        if not (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            continue
+        for i, arg in enumerate(n.target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+            if any(reaches_input(v) for v in (value if isinstance(value, (list, tuple)) else [value])):
+                found.append(str(n.target))
+                break
+    return found
 
 
 def _output_depends_on_inputs(graph: torch.fx.Graph) -> bool:

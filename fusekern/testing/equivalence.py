@@ -211,7 +211,7 @@ def assert_compiled(
     for call_args in (tuple(args), *map(tuple, extra_args)):
         # eager runs on copies taken before the compiled call: where either writes into its inputs, both must
         # write the same (a rewrite that clobbers an input the user reads again is caught here)
-        eager_args = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, call_args)
+        eager_args = _copies(call_args)
         got = compiled(*call_args)
         want = fn(*eager_args)
         t = tol if tol is not None else _default_tol(*tree_leaves(want), *tree_leaves(call_args))
@@ -233,6 +233,25 @@ def assert_compiled(
         if op not in targets:
             raise AssertionError(f"{op} is not in the compiled graph:\n" + "\n".join(capture.graphs))
     return CompiledCheck(counts, capture.graphs, targets, errors)
+
+
+def _copies(args):
+    """``args`` with every tensor copied, the copies sharing storage where the originals do (``fn(x, x[0])``
+    that writes one and reads the other must see the same aliasing in eager)."""
+    storages: dict = {}
+
+    def copy(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if key not in storages:
+            storages[key] = storage.clone()
+        out = torch.empty(0, dtype=t.dtype, device=t.device).set_(storages[key], t.storage_offset(), t.shape,
+                                                                   t.stride())
+        return out.requires_grad_() if t.requires_grad else out
+
+    return tree_map(copy, args)
 
 
 def _compare(what: str, got, want, tol: float) -> float:
