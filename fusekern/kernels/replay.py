@@ -145,9 +145,9 @@ def x_key(x: torch.Tensor) -> tuple:
     """What a recorded launch assumed of the activation (the JIT specializes on shape-derived ints,
     strides and 16-byte alignment; the address modulo 16 is kept whole, as ``layout_replay.call_key`` keeps
     it, so that a path that runs only at some offsets is never replayed at another), the device the kernel
-    was loaded on, and the stream whose split-K counters it holds (``split_counters``: one buffer per stream, so that streams may run at once); the
-    stream's raw handle comes last (``Replay`` launches on it). Read once per call of a decode op: each
-    step here costs a C call from Python."""
+    was loaded on, and the stream whose split-K counters it holds (``split_counters``: one buffer per stream,
+    so that streams may run at once); the stream's raw handle comes last (``Replay`` launches on it). Read
+    once per call of a decode op: each step here costs a C call from Python."""
     device = x.device
     return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16, *device_key(device))
 

@@ -25,19 +25,13 @@ from fusekern.kernels import device_info
 from fusekern.kernels import w8a16_linear as kernel
 from fusekern.patterns.registry import register_pattern, register_rewrite
 from fusekern.patterns.spec import T
+from fusekern.patterns.spec import known as _known
 
 ACT = (torch.bfloat16, torch.float16)
 FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 # bind_specs=False: the checks below decide which inputs fire (wider than the traced specs: [1, N] and [1, 1, N]
 # scales, fp16 scales) and tests/test_w8a16_patterns.py proves those forms.
 COMMON = dict(family="dequant_matmul", kernel_version=kernel.KERNEL_VERSION, bind_specs=False)
-
-
-def _known(cond) -> bool:
-    """True only when a (possibly symbolic) condition holds for every size: never adds a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(cond)
 
 
 def _common_reason(v) -> str | None:

@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fusekern.patterns.spec import Dim, TensorSpec, Variant, make_inputs, spec_mismatch, trace_sizes, variants
+from fusekern.patterns.spec import (Dim, TensorSpec, Variant, known, make_inputs, spec_mismatch, trace_sizes,
+                                   variants)
 
 log = logging.getLogger("fusekern")
 
@@ -163,10 +164,8 @@ class Pattern:
             log.warning("fusekern: the check of pattern %r raised %s: %s", self.name, type(e).__name__, e)
             return f"the pattern's check raised {type(e).__name__}: {e}"
         if isinstance(verdict, torch.SymBool):  # (a comparison of dynamic sizes): fires only where it always holds
-            from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-            return None if statically_known_true(verdict) else f"check's condition {verdict} is not known to hold " \
-                                                                "for every size this compile allows"
+            return None if known(verdict) else f"check's condition {verdict} is not known to hold for every size " \
+                                               "this compile allows"
         if type(verdict).__module__ == "numpy" and type(verdict).__name__ in ("bool", "bool_"):  # numpy's bool
             verdict = bool(verdict)
         if verdict is None or verdict is True:

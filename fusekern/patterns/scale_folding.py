@@ -39,6 +39,7 @@ from fusekern.kernels import scaled_mm as kernel
 from fusekern.patterns.casts import exact_cast
 from fusekern.patterns.decode.analysis import CODE_DTYPES, ancestors
 from fusekern.patterns.registry import register_rewrite
+from fusekern.patterns.spec import known as _known
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -62,13 +63,6 @@ class NotOurs(Decline):
 def _val(n):
     v = n.meta.get("val") if isinstance(n, Node) else None
     return v if isinstance(v, torch.Tensor) else None
-
-
-def _known(cond) -> bool:
-    """True only when a (possibly symbolic) condition holds for every size: never adds a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(cond)
 
 
 def _is(n, *targets) -> bool:

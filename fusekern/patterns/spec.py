@@ -109,9 +109,9 @@ def resolve_dtype(spec: TensorSpec, variant: Variant) -> torch.dtype:
         raise KeyError(f"dtype variable {spec.dtype!r} has no values") from None
 
 
-def _known(cond) -> bool:
+def known(cond) -> bool:
     """True only where ``cond`` (a bool, or a SymBool of dynamic sizes) holds for every size the compile allows:
-    a match is declined rather than guarded (post-grad, new guards would be ignored)."""
+    never adds a guard (a match is declined rather than guarded: post-grad, new guards would be ignored)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(cond)
@@ -154,15 +154,15 @@ def spec_mismatch(inputs: Mapping[str, TensorSpec], dtypes: Mapping[str, tuple[t
         named = [f"B{i}" for i in range(lead)] + list(spec.shape)
         for i, (d, size) in enumerate(zip(named, t.shape)):
             if isinstance(d, int):
-                if not _known(size == d):
+                if not known(size == d):
                     return f"{name}'s dim {i} is {size}, the pattern's spec fixes {d}"
-            elif d in sizes and not _known(sizes[d] == size):
+            elif d in sizes and not known(sizes[d] == size):
                 return f"{name}'s dim {i} ({d}) is {size}, another input's {d} is {sizes[d]}"
             else:
                 sizes.setdefault(d, size)
     for d, size in sizes.items():
         dim = dims.get(d)
-        if dim is not None and not (_known(size >= dim.min) and _known(size % dim.multiple_of == 0)):
+        if dim is not None and not (known(size >= dim.min) and known(size % dim.multiple_of == 0)):
             return (f"{d} = {size} is not known to be a multiple of {dim.multiple_of} and at least {dim.min} "
                     f"(the pattern's Dim)")
     return None
