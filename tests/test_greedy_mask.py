@@ -101,20 +101,47 @@ def near_miss_mask_returned(logits, mask, T):
     return y.argmax(-1), y
 
 
-def near_miss_promoting_temperature(logits, ids, T):
-    return (logits / T).scatter(-1, ids, float("-inf")).argmax(dim=-1)
-
-
-def near_miss_temperatures_broadcast(logits, mask, T):  # one row of logits at B temperatures
-    return (logits[:1] / T).masked_fill(mask, float("-inf")).argmax(-1)
-
-
 def near_miss_mask_broadcasts(logits, mask, T):  # one row of logits under B masks (it once crashed the compile)
     return logits[:1].masked_fill(mask, float("-inf")).argmax(-1)
 
 
-@pytest.mark.parametrize("case", ["dim0", "finite_fill", "returned", "promotes", "ids_one_row", "temperatures_broadcast",
-                                  "mask_broadcasts"])
+def masked_fill_by_int_constant(logits, mask):
+    return (logits / torch.tensor(2)).masked_fill(mask, float("-inf")).argmax(-1)
+
+
+def temperatures_over_one_row(logits, mask, T):  # one row of logits at B temperatures
+    return (logits[:1] / T).masked_fill(mask, float("-inf")).argmax(-1)
+
+
+@pytest.mark.parametrize("case", ["int_tensor", "int_constant", "promotes", "one_row_at_b_temperatures"])
+def test_a_temperature_the_op_does_not_take_stays_ahead_of_it(case):
+    """An integer tensor T once reached the op, which refused it at run time (the compiled call raised); a wider
+    float T that promotes the logits, or B values over one row of logits, declined the whole chain. Now the
+    division stays in the graph and the op takes its quotient as the logits, with eager's tokens."""
+    B, V = 4, 300
+    logits = logits_of(B, V, torch.bfloat16)
+    mask = torch.rand(B, V, device=DEVICE) < 0.2
+    fn, args = {
+        "int_tensor": (masked_fill, (logits, mask, torch.tensor(2, device=DEVICE))),
+        "int_constant": (masked_fill_by_int_constant, (logits, mask)),
+        "promotes": (masked_fill, (logits, mask, torch.rand(B, 1, device=DEVICE) + 0.5)),  # fp32 [B, 1]
+        "one_row_at_b_temperatures": (temperatures_over_one_row,
+                                      (logits, mask, torch.linspace(0.5, 2, B, device=DEVICE)[:, None].bfloat16())),
+    }[case]
+    assert_compiled(fn, args, fired={NAME: 1}, gone=["aten.argmax.default"], present=["aten.div.Tensor"], tol=0.0)
+
+
+def test_a_dynamic_python_int_temperature_stays_ahead_of_the_op():
+    """A Python int T that changes between calls: Dynamo makes it a SymInt from the second value on, whose
+    division once crashed the pass (it called ``numel`` on the SymInt)."""
+    B, V = 4, 300
+    logits = logits_of(B, V, torch.float32)
+    mask = torch.rand(B, V, device=DEVICE) < 0.2
+    assert_compiled(masked_fill, (logits, mask, 2), fired={NAME: 1}, tol=0.0, dynamic=True,
+                    extra_args=[(logits, mask, 3), (logits, mask, 5)])
+
+
+@pytest.mark.parametrize("case", ["dim0", "finite_fill", "returned", "ids_one_row", "mask_broadcasts"])
 def test_near_misses_stay(case):
     B, V = 4, 300
     logits = logits_of(B, V, torch.bfloat16)
@@ -124,10 +151,7 @@ def test_near_misses_stay(case):
         "dim0": (near_miss_dim0, (logits, ids, 0.7)),
         "finite_fill": (near_miss_finite_fill, (logits, ids, 0.7)),
         "returned": (near_miss_mask_returned, (logits, mask, 0.7)),
-        "promotes": (near_miss_promoting_temperature, (logits, ids, torch.full((B, 1), 0.7, device=DEVICE))),
         "ids_one_row": (scatter_banned, (logits, ids[:1], 0.7)),  # scatter masks row 0 only
-        "temperatures_broadcast": (near_miss_temperatures_broadcast,
-                                   (logits, mask, torch.linspace(0.5, 2, B, device=DEVICE)[:, None])),
         "mask_broadcasts": (near_miss_mask_broadcasts, (logits, mask, 0.7)),
     }[case]
     if case == "returned":
@@ -167,6 +191,29 @@ def test_kernel_matches_reference(dtype):
                 got = ma.masked_argmax_triton(logits, T_, b_, m, block=block, split=split)
                 want = ma.masked_argmax_reference(logits, T_, b_, m)
                 assert torch.equal(got.cpu(), want.cpu()), (T_ is None, b is None, m is None, block, split)
+
+
+def test_kernel_rounds_the_quotient_to_eagers_dtype():
+    """fp16 logits one ulp apart over an fp32 temperature per row: eager's quotient is fp32 (no tie), and the
+    kernel once rounded it to fp16 (a tie, the lower index). A 0-d fp32 T does not promote: fp16 there."""
+    logits = torch.tensor([[3.0, 3.001953125], [3.001953125, 3.0]], dtype=torch.float16, device=DEVICE)
+    for T in (torch.tensor([[1.3], [1.3]], device=DEVICE), torch.tensor(1.3, device=DEVICE), 1.3):
+        want = (logits / T).argmax(-1)
+        assert ma.quotient_dtype(logits, T) == (logits / T).dtype
+        assert torch.equal(ma.masked_argmax_triton(logits, T).cpu(), want.cpu())
+        assert torch.equal(ma.masked_argmax_reference(logits, T).cpu(), want.cpu())
+    with pytest.raises(TypeError, match="float64"):
+        ma.masked_argmax_triton(logits, torch.ones(2, 1, dtype=torch.float64, device=DEVICE))
+
+
+def test_one_row_of_banned_ids_bans_them_in_every_row():
+    """banned [1, n] with B > 1 (which check_args accepts): the kernel banned the ids in every row, the
+    reference (the op's CPU path) in row 0 only."""
+    logits = torch.tensor([[0., 5., 1.]] * 3, device=DEVICE)
+    banned = torch.tensor([[1]], device=DEVICE)
+    for fn in (ma.masked_argmax_triton, ma.masked_argmax_reference):
+        assert fn(logits, None, banned, None).cpu().tolist() == [2, 2, 2]
+        assert fn(logits, None, banned[0], None).cpu().tolist() == [2, 2, 2]
 
 
 def test_combine_over_more_chunks_than_one_read_holds():

@@ -218,6 +218,32 @@ def test_top_p_zero_keeps_the_most_likely_token():
     assert out.cpu().tolist() == logits.argmax(-1).cpu().tolist()
 
 
+@pytest.mark.parametrize("min_p_first", [False, True])
+def test_nan_top_p_or_min_p_turns_its_filter_off(min_p_first):
+    """A NaN top-p or min-p removes no token (Hugging Face's comparisons with NaN are false), on every path:
+    the kernel once dropped every token of a NaN min-p row (token 0 every draw), and the CPU path kept one
+    token for a NaN top-p."""
+    B, V = 3, 300
+    logits = make_logits(B, V, torch.float32, seed=8, scale=0.5)
+    nan = float("nan")
+    filters = dict(top_p=torch.tensor([nan, 0.5, nan], device=DEVICE),
+                   min_p=torch.tensor([0.2, nan, nan], device=DEVICE), min_p_first=min_p_first)
+    off = dict(top_p=torch.tensor([1.0, 0.5, 1.0], device=DEVICE),
+               min_p=torch.tensor([0.2, 0.0, 0.0], device=DEVICE), min_p_first=min_p_first)
+    cpu, cpu_off = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in f.items()} for f in (filters, off))
+    kept = S.kept_mask((logits.double() / 0.9).cpu(), None, **cpu)
+    assert kept[2].all() and kept[0].sum() < V and kept[1].sum() < V  # row 2: nothing filtered
+    for seed in range(4):
+        q = exp_noise(B, V, seed=seed)
+        out = torch.full((B,), -1, dtype=torch.int64, device=DEVICE)
+        S.sample_triton(logits, 0.9, seed=seed_tensor(), noise=q, out=out, block=128, **filters)
+        assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **off).cpu().tolist()
+        assert out.cpu().tolist() == S.sample_reference(logits, 0.9, q=q, **filters).cpu().tolist()
+    for seed in range(4):
+        got = S.sample_torch(logits.cpu(), 0.9, seed=torch.tensor([seed]), **cpu)
+        assert got.tolist() == S.sample_torch(logits.cpu(), 0.9, seed=torch.tensor([seed]), **cpu_off).tolist()
+
+
 def test_cpu_path_matches_reference():
     """sample_torch (the op's CPU implementation) against the float64 reference, same generator draws."""
     B, V = 5, 400

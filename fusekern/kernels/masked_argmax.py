@@ -27,7 +27,7 @@ from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.layout_replay import call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.split_counters import split_counters
 
-KERNEL_VERSION = "masked_argmax-4"
+KERNEL_VERSION = "masked_argmax-5"
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -168,6 +168,10 @@ def check_args(logits: torch.Tensor, temperature=None, banned: torch.Tensor | No
         if not temperature.is_floating_point() or not (temperature.numel() == 1 or tuple(temperature.shape) == (B, 1)):
             raise ValueError(f"masked_argmax: temperature must be a float tensor of one value or [B, 1] = [{B}, 1], "
                              f"got {temperature.dtype} {tuple(temperature.shape)}")
+        if quotient_dtype(logits, temperature) not in _TL:
+            raise TypeError(f"masked_argmax: logits / temperature would be {quotient_dtype(logits, temperature)} "
+                            f"({logits.dtype} logits, {temperature.dtype} temperature); the op rounds the quotient "
+                            "to bf16 / fp16 / fp32")
     elif temperature is not None and not isinstance(temperature, (int, float)):
         raise TypeError(f"masked_argmax: temperature must be a number or a tensor, got {type(temperature).__name__}")
     if banned is not None:
@@ -183,6 +187,15 @@ def check_args(logits: torch.Tensor, temperature=None, banned: torch.Tensor | No
     _check_devices(logits, temperature, banned, mask)
 
 
+def quotient_dtype(logits: torch.Tensor, temperature) -> torch.dtype:
+    """The dtype of eager's ``logits / temperature``, which the op's argmax reads (rounded to it): a
+    temperature tensor of a wider float with a dimension promotes the logits (fp16 logits, fp32 T [B, 1]:
+    fp32); a 0-d one or a number does not (torch's promotion)."""
+    if temperature is None:
+        return logits.dtype
+    return torch.result_type(logits, temperature)
+
+
 def _check_devices(logits, temperature, banned, mask) -> None:
     """Every tensor on the logits' device (a temperature may be one value on the CPU)."""
     for name, t in (("temperature", temperature), ("banned", banned), ("mask", mask)):
@@ -195,12 +208,13 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
                          mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
                          warps: int | None = None, record=None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
-    value (0-d / [1]) or one per row ([B, 1]); ``banned``: int ids ``[B, n]`` or ``[n]`` (every row);
-    ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
+    value (0-d / [1]) or one per row ([B, 1]), the quotient rounded to eager's dtype (``quotient_dtype``);
+    ``banned``: int ids ``[B, n]``, or ``[1, n]`` / ``[n]`` (every row); ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
     about two per SM); warps: of each program (default: see warps_for). record: called with a
     ``layout_replay.LayoutReplay`` of the launch where it can replay (the op's)."""
     check_args(logits, temperature, banned, mask)
     given = (logits, temperature, banned, mask)
+    quotient = quotient_dtype(logits, temperature)  # (before a CPU temperature becomes a number)
     if isinstance(temperature, torch.Tensor) and temperature.device != logits.device:
         temperature = float(temperature.item())  # one value on the CPU (check_args): a kernel argument
         record = None  # (a value read from a tensor: a replay would keep this call's)
@@ -243,7 +257,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
         ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv),
         dict(HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None,
-             HAS_MASK=mask is not None, DTYPE=_TL[logits.dtype], BLOCK=block, SPLIT_ROWS=split > 1,
+             HAS_MASK=mask is not None, DTYPE=_TL[quotient], BLOCK=block, SPLIT_ROWS=split > 1,
              SPLIT_BLOCK=split_block, num_warps=warps or warps_for(B, logits.device)), record is not None)
     # slots: each input's own address, or the output where an input is absent (as above)
     sources = {"x_ptr": 0, "t_ptr": 1 if t_tensor else 0, "banned_ptr": 2 if banned is not None else 0,
@@ -257,7 +271,7 @@ def masked_argmax_reference(logits: torch.Tensor, temperature=None, banned: torc
     """The original graph in plain PyTorch: scatter -inf onto a copy of ``logits / T``, then argmax."""
     x = logits.clone() if temperature is None else logits / temperature
     if banned is not None:
-        ids = banned if banned.dim() == 2 else banned.reshape(1, -1).expand(x.shape[0], -1)
+        ids = (banned if banned.dim() == 2 else banned.reshape(1, -1)).expand(x.shape[0], -1)  # [1, n]: every row
         ids = torch.where(ids < 0, ids + x.shape[-1], ids)
         x = x.scatter(-1, ids.long(), float("-inf"))
     if mask is not None:

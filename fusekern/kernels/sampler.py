@@ -49,7 +49,7 @@ from fusekern.kernels.device_info import sm_count, supports_pdl
 from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.layout_replay import OUT, New, call_key, record_if_direct, recorder
 
-KERNEL_VERSION = "sampler-10"
+KERNEL_VERSION = "sampler-11"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_KEY = tl.constexpr(-(2**31))
@@ -833,8 +833,12 @@ def _sample_kernel(
     DTYPE: tl.constexpr = logits_ptr.dtype.element_ty
     temperature = _row_param(temp_ptr, temperature, stride_t, row, TEMP_PER_ROW, tl.float32)
     k = tl.minimum(tl.maximum(_row_param(topk_ptr, top_k, stride_k, row, K_PER_ROW, tl.int32), 1), V)
+    # a NaN top-p or min-p turns its filter off (Hugging Face's comparisons with NaN remove no token), as
+    # kept_mask and sample_torch read it; unchecked, a NaN min-p removed every token and the row drew token 0
     top_p = _row_param(topp_ptr, top_p, stride_p, row, P_PER_ROW, tl.float32)
+    top_p = tl.where(top_p != top_p, 1.0, top_p)
     min_p = _row_param(minp_ptr, min_p, stride_m, row, M_PER_ROW, tl.float32)
+    min_p = tl.where(min_p != min_p, 0.0, min_p)
     FILTERED: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_MIN_P
     if not FINISH:
         if PDL:
@@ -956,8 +960,8 @@ def sample_triton(
 ):
     """Sample one token per row of ``logits`` [B, V]; returns int64 [B] (or ``out``: int64 or int32 [B]).
 
-    ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None or >= 1:
-    none) and ``min_p`` (None or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
+    ``temperature`` > 0, ``top_k`` (clamped to [1, V]; None or >= V: no top-k), ``top_p`` (None, NaN or >= 1:
+    none) and ``min_p`` (None, NaN or <= 0: none) are numbers or tensors of 1 or B values (numbers are kernel
     arguments: changing them neither recompiles nor launches a fill). ``seed``: an int64 tensor of one
     element (draw it from torch's generator: ``torch.randint`` reproduces under ``torch.manual_seed`` and
     advances on every CUDA-graph replay), or None: drawn here from torch's generator; while a CUDA graph is
@@ -1222,16 +1226,17 @@ def sample_torch(logits, temperature=1.0, top_k=None, top_p=None, min_p=None, *,
         kept_s &= xs >= xs.gather(-1, k - 1)
     m = xs[:, :1]
     mp = None if min_p is None else _per_row(min_p, B, 0.0, torch.float32).to(x.device).reshape(B, 1)
+    # (a NaN p or min-p turns its filter off, as in the kernel and kept_mask, and as Hugging Face's comparisons do)
     if min_p_first and mp is not None:
-        kept_s &= torch.exp(xs - m) >= mp
+        kept_s &= (torch.exp(xs - m) >= mp) | ~(mp > 0)
     e = torch.where(kept_s, torch.exp(xs - m), 0.0)
     if top_p is not None:
         p = _per_row(top_p, B, 1.0, torch.float32).to(x.device).reshape(B, 1)
         before = e.cumsum(-1) - e  # mass of the tokens before each one in Hugging Face's order
         first = torch.arange(V, device=x.device) == 0  # the most likely token stays, even for p = 0
-        kept_s &= (before < p * e.sum(-1, keepdim=True)) | first | (p >= 1)
+        kept_s &= (before < p * e.sum(-1, keepdim=True)) | first | ~(p < 1)
     if mp is not None:
-        kept_s &= torch.exp(xs - m) >= mp
+        kept_s &= (torch.exp(xs - m) >= mp) | ~(mp > 0)
     kept = torch.empty_like(kept_s).scatter_(-1, order, kept_s)
     score = torch.where(kept, x, float("-inf")) - torch.log(q)
     return torch.where(bad.squeeze(-1), 0, torch.argmax(score, dim=-1))

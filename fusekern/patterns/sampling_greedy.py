@@ -8,12 +8,14 @@ Matched in the joint graph, from every ``argmax`` over the last dim, walking up:
          scatter(x, -1, ids, -inf)            ids [B, n]: banned / draft tokens per row
          index_put(x, [None, ids], -inf)      ``x[:, ids] = float("-inf")`` (after functionalization), ids [n]
          where(mask, -inf, x)                 ``x.masked_fill(mask, float("-inf"))``, mask bool [B, V] or [V]
-      x: logits / T  (T a Python number, a one-element tensor or one value per row [B, 1]), or the logits
-         (a ``clone`` in between is fine)
+      x: logits / T  (T a Python number, a one-element tensor or one value per row [B, 1], in a float dtype
+         that keeps the logits'), or the logits (a ``clone`` in between is fine). A division the op does not
+         take (T a Python number Dynamo made dynamic, an integer tensor, a wider float, B values over one row
+         of logits) stays ahead of the op: its quotient is the logits.
 
 Declined (graph unchanged, reason in the match report): other dims, a fill value other than -inf,
-ids with fewer rows than the logits (scatter would mask only those rows), a temperature that changes the
-logits' dtype, intermediates used outside the chain, logits not bf16 / fp16 / fp32 on CPU / CUDA.
+ids with fewer rows than the logits (scatter would mask only those rows), intermediates used outside the
+chain, logits not bf16 / fp16 / fp32 on CPU / CUDA.
 Plain ``argmax(logits / T)`` without a mask is left to inductor (nothing to fuse).
 """
 from __future__ import annotations
@@ -50,6 +52,23 @@ def _neg_inf(v, graph: Graph) -> bool:
         with unset_fake_temporarily():  # the pass runs under the graph's fake mode; this is a real constant
             return float(t.reshape(())) == -math.inf
     return False
+
+
+def _op_temperature(div: Node) -> bool:
+    """Does the op take ``div`` = logits / T: T a Python number, or a float tensor of one value or one per row
+    ([B, 1]) that keeps the logits' dtype and shape? Not a SymInt / SymFloat (a Python number that Dynamo made
+    dynamic), an integer tensor, a wider float (the quotient rounds in another dtype) or B temperatures over
+    one row of logits: such a division stays in the graph ahead of the op, whose logits are its quotient."""
+    logits, t = div.args
+    lv, qv = _val(logits), _val(div)
+    if not isinstance(lv, torch.Tensor) or qv is None or qv.dtype != lv.dtype or not _same_shape(lv, qv):
+        return False
+    B = qv.shape[0]
+    if isinstance(t, (int, float)):
+        return True
+    tv = _val(t)
+    return isinstance(t, Node) and isinstance(tv, torch.Tensor) and tv.is_floating_point() and \
+        (tv.numel() == 1 or tuple(tv.shape) == (B, 1))
 
 
 def _last_dim(dim, ndim: int) -> bool:
@@ -97,25 +116,19 @@ def match(argmax: Node, graph: Graph) -> dict:
         chain.append(x)
         x = x.args[0]
     temperature = None
-    if _is(x, aten.div.Tensor):
+    if _is(x, aten.div.Tensor) and _op_temperature(x):
         chain.append(x)
-        logits, t = x.args
-        tv = _val(t)
-        if isinstance(t, Node) and (tv is None or not (tv.numel() == 1 or tuple(tv.shape) == (yv.shape[0], 1))):
-            raise Decline("the temperature is not one value or one per row ([B, 1])")
-        if not isinstance(t, (Node, int, float)):
-            raise Decline("the temperature is not a number or a tensor")
-        temperature = t
-    else:
+        logits, temperature = x.args
+    else:  # no division, or one the op does not take: it stays in the graph, its quotient is the logits
         logits = x
     lv = _val(logits)
     if lv is None or lv.dtype not in kernel.LOGIT_DTYPES or lv.dim() != 2:
         raise Decline(f"logits are not 2-D bf16 / fp16 / fp32 ({getattr(lv, 'dtype', None)})")
     if yv.dtype != lv.dtype:
-        raise Decline(f"the temperature promotes the logits from {lv.dtype} to {yv.dtype}")
+        raise Decline(f"the masked logits are {yv.dtype}, the logits {lv.dtype}")
     if not _same_shape(lv, yv):
-        # e.g. one row of logits at B temperatures, or under B masks: the op takes one token per logits row
-        raise Decline(f"the temperature or mask broadcasts the logits {tuple(lv.shape)} to {tuple(yv.shape)}")
+        # e.g. one row of logits under B masks: the op takes one token per logits row
+        raise Decline(f"the mask broadcasts the logits {tuple(lv.shape)} to {tuple(yv.shape)}")
     if lv.device.type not in ("cpu", "cuda"):
         raise Decline(f"logits on {lv.device}")
     if (reason := device_info.unsupported(lv.device)) is not None:
