@@ -112,6 +112,21 @@ def test_bias_of_finfo_min_masks_like_sdpa(dtype):
     assert out[0, 1].abs().max() > 0
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_nan_in_the_bias_makes_its_row_nan_as_sdpa(splits):
+    """A NaN in an additive bias makes that query row NaN in SDPA and in the reference; the kernel's clamp to
+    finite floats once turned it into the largest negative float (the token silently masked), and the last
+    division gave 0 for a NaN sum."""
+    q, k, v = make(B=1, Hq=4, Hkv=2, S=96, D=64)
+    bias = torch.randn(1, 4, 1, 96).to(DEVICE, BF16)
+    bias[0, 1, 0, 40] = float("nan")  # head 1 only
+    out = A.decode_attention(q, k, v, bias, num_splits=splits)
+    ref = A.reference_decode_attention(q.cpu(), k.cpu(), v.cpu(), bias.cpu())
+    assert out[0, 1].isnan().all() and ref[0, 1].isnan().all()
+    assert not out[0, [0, 2, 3]].isnan().any()
+    assert rel_err(out.cpu(), ref) < TOL[BF16]  # (NaN at the same places, the rest within tolerance)
+
+
 def test_fully_masked_row_is_zero():
     q, k, v = make(S=70)
     m = make_mask("bool_full", 2, 8, 1, 70, BF16)
@@ -262,6 +277,19 @@ def test_near_misses_stay_as_written(case):
 def test_gpu_demo_and_long_context(B, S, mask, splits):
     q, k, v = make(B=B, Hq=32, Hkv=8, S=S, D=128)
     check(q, k, v, make_mask(mask, B, 32, 1, S, BF16), num_splits=splits)
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_path_returns_the_contiguous_output_the_fake_declares(monkeypatch):
+    """Where the op runs PyTorch's SDPA, its output follows q's layout: q transposed from [B, Lq, H, D] (as a
+    projection leaves it) with Lq > 1 gave a non-contiguous output where the fake declares a contiguous one."""
+    monkeypatch.setattr(A, "_REPLAYS", {})
+    monkeypatch.setattr(A, "_choose", lambda *a: False)
+    q, k, v = make(B=2, Hq=8, Hkv=2, Lq=3, S=64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out = A.decode_attention_op(qt, k, v, None, 64 ** -0.5, -math.inf)
+    assert out.is_contiguous()
+    assert rel_err(out.cpu(), A.reference_decode_attention(qt.cpu(), k.cpu(), v.cpu())) < TOL[BF16]
 
 
 @pytest.mark.gpu

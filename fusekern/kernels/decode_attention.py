@@ -54,7 +54,7 @@ from fusekern.kernels.fp8_kv_attention import (
 )
 
 # Bumped whenever the kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "decode_attention-4"
+KERNEL_VERSION = "decode_attention-5"
 
 MASK_NONE, MASK_BOOL, MASK_BIAS = 0, 1, 2
 
@@ -91,9 +91,10 @@ def kv_splits(batch_heads: int, seq_len: int, sms: int) -> int:
 def _log2_units(bias):
     """A bias in log2 units (as the scores are). Finite stays finite: a mask of finfo.min (Hugging Face's)
     times log2(e) would overflow to -inf, and a row masked that way everywhere averages V in SDPA
-    instead of giving 0. -inf stays -inf."""
+    instead of giving 0. -inf and NaN stay as they are (a NaN in the bias makes the row NaN, as in SDPA; the
+    clamp alone turned it into the largest negative float, masking the token silently)."""
     scaled = tl.minimum(tl.maximum(bias * 1.4426950408889634, -3.4028234663852886e38), 3.4028234663852886e38)
-    return tl.where(bias == -float("inf"), bias, scaled)
+    return tl.where((bias == -float("inf")) | (bias != bias), bias, scaled)
 
 
 @triton.jit
@@ -168,7 +169,7 @@ def decode_attention_kernel(
     o_offs, _ = _query_rows(bh, HKV, G, LQ, stride_ob, stride_oh, stride_ol, ROWS)
     d = tl.arange(0, D)
     if not SPLIT:
-        out = tl.where((l_i > 0)[:, None], acc / l_i[:, None], 0.0)
+        out = tl.where((l_i == 0)[:, None], 0.0, acc / l_i[:, None])  # (no live token: 0; a NaN sum stays NaN)
         tl.store(out_ptr + o_offs[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
     else:
         r = tl.arange(0, ROWS)
@@ -179,7 +180,7 @@ def decode_attention_kernel(
         tl.debug_barrier()  # every thread's partial is written before the count (released below)
         if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             acc, l_sum = _merge_splits(ws_acc_ptr, ws_ml_ptr, bh * SPLITS, SPLITS, NR, r, real, D, ROWS)
-            out = tl.where((l_sum > 0)[:, None], acc / l_sum[:, None], 0.0)
+            out = tl.where((l_sum == 0)[:, None], 0.0, acc / l_sum[:, None])
             tl.store(out_ptr + o_offs[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=real[:, None])
             tl.atomic_xchg(cnt_ptr + bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
@@ -421,7 +422,9 @@ def _decode_attention_cuda(q, k, v, mask, sm_scale, masked_value=-math.inf):
     _check_inputs(q, k, v, mask)
     if _choose(q, k, v, mask, sm_scale, masked_value):
         return _launch(q, k, v, mask, sm_scale, masked_value, record=recorder(_REPLAYS, key))
-    return torch_attention(q, k, v, mask, sm_scale, masked_value)
+    # contiguous, as the fake declares: SDPA's output follows q's layout (a q transposed from [B, Lq, H, D], as
+    # projections leave it, gives a non-contiguous [B, H, Lq, D] for Lq > 1, which inductor's code would misread)
+    return torch_attention(q, k, v, mask, sm_scale, masked_value).contiguous()
 
 
 torch.library.impl("fusekern::decode_attention", "CUDA")(_decode_attention_cuda)  # (kept callable: tests, direct_calls)
