@@ -184,23 +184,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(model, step, sampler, prompt, steps: int, replay: torch.Tensor | None = None) -> Run:
+def generate(model, step, sampler, prompt, steps: int, replay: torch.Tensor | None = None,
+             graphs: bool = False) -> Run:
     """Prefill ``prompt`` eagerly, then ``steps`` one-token steps through ``step`` (the position is a
     tensor, so one graph serves them all). Feeds the sampled tokens, or ``replay``'s where given; the
-    sampler runs either way, so every path times the same work."""
+    sampler runs either way, so every path times the same work. ``graphs``: ``step`` and ``sampler`` were
+    compiled with ``mode="reduce-overhead"`` (CUDA graphs): each step begins a new graph step, and what it
+    keeps is copied out of the graphs' output buffers, which the next replay overwrites."""
     device = prompt.device.type
     T = prompt.shape[1]
+    keep = (lambda t: t.clone()) if graphs else (lambda t: t)
     with torch.no_grad():
-        token = sampler(model(prompt, torch.arange(T, device=prompt.device)))
+        token = keep(sampler(model(prompt, torch.arange(T, device=prompt.device))))
         fed, logits = [], []
         _sync(device)
         start = time.perf_counter()
         for i in range(steps):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             if replay is not None:
                 token = replay[i]
             fed.append(token)
-            logits.append(_decode(step, token, T + i))
-            token = sampler(logits[-1])
+            logits.append(keep(_decode(step, token, T + i)))
+            token = keep(sampler(logits[-1]))
         _sync(device)
         seconds = time.perf_counter() - start
     return Run(torch.stack(fed), torch.stack(logits), seconds)
@@ -211,23 +217,32 @@ def _decode(step, token, pos: int):
     return step(token[:, None], torch.tensor([pos], device=token.device))
 
 
-def _warm_up(name: str, step, sampler, prompt) -> None:
+def _warm_up(name: str, step, sampler, prompt, graphs: bool = False) -> None:
     """The first calls compile. They write the cache at the prompt's end, which the real run rewrites.
-    The token is a fresh [B] tensor, laid out as the sampler's are (another stride would recompile)."""
+    The token is a fresh [B] tensor, laid out as the sampler's are (another stride would recompile).
+    ``graphs``: three calls, as CUDA graph trees run a function once before they record it."""
     print(f"  compiling the decode step and the sampler: {name} ...", flush=True)
     start = time.perf_counter()
     with torch.no_grad():
         token = torch.zeros(prompt.shape[0], dtype=prompt.dtype, device=prompt.device)
-        sampler(_decode(step, token, prompt.shape[1]))
+        for _ in range(3 if graphs else 1):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            sampler(_decode(step, token, prompt.shape[1])).clone()
     _sync(prompt.device.type)
     print(f"  compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def main(device: str | None = None, weights: str = "w4a16", steps: int | None = None, batch: int = 1) -> int:
+def main(device: str | None = None, weights: str = "w4a16", steps: int | None = None, batch: int = 1,
+         cuda_graphs: bool | None = None) -> int:
+    """``cuda_graphs`` (default: on CUDA): stock and fusekern also run compiled with ``mode="reduce-overhead"``
+    (CUDA graphs: a decode step at small batch is bound by the host's launches without them), checked and
+    timed the same way."""
     import fusekern
     from fusekern.testing import rel_err
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    graphs = device == "cuda" if cuda_graphs is None else bool(cuda_graphs)
     cfg = LLAMA3_8B_SHAPED if device == "cuda" else TINY
     steps = steps or (64 if device == "cuda" else 12)
     if weights not in WEIGHTS:
@@ -252,6 +267,7 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         _warm_up("fusekern", fused_step, fused_sampler, prompt)
+    report = str(fusekern.match_report())  # (the CUDA-graph compile below matches the same again)
     torch.manual_seed(1)
     runs = {"fusekern": generate(model, fused_step, fused_sampler, prompt, steps)}
     print("  ran fusekern; replaying its tokens eagerly ...", flush=True)
@@ -263,14 +279,28 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
         stock_sampler = sample
         _warm_up("stock torch.compile", stock_step, stock_sampler, prompt)
     runs["stock"] = generate(model, stock_step, stock_sampler, prompt, steps, replay=runs["fusekern"].fed)
+    if graphs:
+        ro = "reduce-overhead"
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            step = torch.compile(model, backend="fusekern", mode=ro)
+            sampler = torch.compile(sample, backend="fusekern", mode=ro)
+            _warm_up("fusekern + CUDA graphs", step, sampler, prompt, graphs=True)
+        runs["fusekern + CUDA graphs"] = generate(model, step, sampler, prompt, steps, replay=runs["fusekern"].fed,
+                                                  graphs=True)
+        step, sampler = torch.compile(model, mode=ro), (torch.compile(sample, mode=ro) if stock_sampler is not sample
+                                                       else sample)
+        _warm_up("stock torch.compile + CUDA graphs", step, sampler, prompt, graphs=True)
+        runs["stock + CUDA graphs"] = generate(model, step, sampler, prompt, steps, replay=runs["fusekern"].fed,
+                                               graphs=True)
 
-    print(fusekern.match_report())
+    print(report)
     eager = runs["eager"]
     print(f"sampled tokens (fusekern, row 0; T={TEMPERATURE}, top-k {TOP_K}, top-p {TOP_P}): "
           f"{runs['fusekern'].fed[:, 0].tolist()}")
     print(f"greedy tokens (eager, row 0): {eager.greedy[:, 0].tolist()}")
     ok = True
-    for name in ("stock", "fusekern"):
+    for name in (n for n in runs if n != "eager"):
         run = runs[name]
         err = rel_err(run.logits, eager.logits)
         worst = max(rel_err(run.logits[i], eager.logits[i]) for i in range(steps))
@@ -278,14 +308,16 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
         verdict = f"DIFFER at steps {differ}" if differ else "identical"
         if ties:
             verdict += f"{'; near' if differ else ' but for near'} ties at steps {ties}"
-        print(f"{name:>8} vs eager: logits rel_err {err:.2e} (worst step {worst:.2e}; tolerance {TOLERANCE:g}), "
+        print(f"{name:>22} vs eager: logits rel_err {err:.2e} (worst step {worst:.2e}; tolerance {TOLERANCE:g}), "
               f"greedy tokens {verdict}")
         ok &= err < TOLERANCE and not differ
     print(f"fusekern vs stock: logits rel_err {rel_err(runs['fusekern'].logits, runs['stock'].logits):.2e}")
     if device == "cpu":
         print("(on CPU fusekern's ops run their PyTorch reference implementations: correct, not fast)")
-    for name in ("eager", "stock", "fusekern"):
-        run = runs[name]
-        print(f"{name:>8}: {steps * batch / run.seconds:8.1f} tokens/s ({run.seconds / steps * 1e3:.1f} ms per step)")
+    for name in ("eager", "stock", "fusekern", "stock + CUDA graphs", "fusekern + CUDA graphs"):
+        if name in runs:
+            run = runs[name]
+            per_step = run.seconds / steps * 1e3
+            print(f"{name:>22}: {steps * batch / run.seconds:8.1f} tokens/s ({per_step:.2f} ms per step)")
     print("equivalent" if ok else "NOT EQUIVALENT")
     return 0 if ok else 1
