@@ -545,6 +545,11 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="bias is on meta"):  # (was read as if it were x's: off by 2e38)
         dm.decode_mm(torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE), leaves, text,
                      torch.empty(prog.N, dtype=torch.bfloat16, device="meta"))
+    x = torch.randn(2, prog.K, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not broadcast"):  # (rows of bias != M: a broadcast error later)
+        dm.decode_mm(x, leaves, text, torch.randn(3, prog.N, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="not a packed layout's text"):  # (was a bare JSONDecodeError)
+        dm.decode_mm_triton(x, leaves, text, None, layout="{not json")
 
 
 # ----------------------------------------------------------------------------- property tests
@@ -778,3 +783,34 @@ def test_generated_kernel_keeps_nan_through_max(cfg):
     got = dm.decode_mm_triton(x, leaves, text, config=cfg)
     want = floored(x, w8, s, lo)
     assert want[:, 5].isnan().all() and rel_err(got, want) <= TOL[torch.bfloat16]
+
+
+def test_a_packed_choice_met_by_unaligned_codes_decodes_the_weight_once(monkeypatch):
+    """The op's config is chosen per program and M on the first layer's leaves; another layer with the same program
+    whose codes start 1 byte off (a view into a shared buffer) does not fit int4_mma_sync's word loads. The op
+    raised there; now it decodes that layer's weight once and multiplies (what the group op does too)."""
+    from fusekern.kernels import int4_mma_sync as ims
+    from fusekern.patterns.decode.layout import derive_layout
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has none)
+    K, N = 256, 64
+    ws = BY_NAME["int4_k_sym"].make(K, N, 128, DEVICE)
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=DEVICE)
+    text, leaves, consts = decode_program(BY_NAME["int4_k_sym"].fn, x.cpu(), *(w.cpu() for w in ws))
+    leaves = [t.to(DEVICE) for t in leaves]
+    prog = DecodeProgram.from_text(text)
+    layout = derive_layout(prog, recognize(prog, consts), consts).to_text()
+    cfg = ims.Int4MmaSync(SPLIT_K=1)
+    buf = torch.empty(leaves[0].numel() + 1, dtype=torch.uint8, device=DEVICE)
+    skewed = buf[1:].view(leaves[0].shape)
+    skewed.copy_(leaves[0])
+    layer2 = [skewed, *leaves[1:]]
+    assert skewed.data_ptr() % 4 == 1
+    with pytest.raises(ValueError, match="aligned"):  # the kernel itself refuses these codes
+        dm.decode_mm_triton(x, layer2, text, None, cfg, layout=layout)
+    monkeypatch.setattr(dm, "select_config", lambda *a, **k: cfg)  # the choice kept for the program (CPU: untimed)
+    monkeypatch.setattr(dm, "tuned_config", lambda *a, **k: cfg)  # (on a GPU: the tuner's)
+    want = dm._decode_mm_cpu(x.cpu(), [t.cpu() for t in leaves], text, None)
+    for ls in (leaves, layer2):
+        got = dm.decode_mm_triton(x, ls, text, None, layout=layout)
+        assert rel_err(got.cpu(), want) < TOL[torch.bfloat16]

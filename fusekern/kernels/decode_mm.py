@@ -822,8 +822,10 @@ def _check_args(x: torch.Tensor, leaves, prog: DecodeProgram, bias: torch.Tensor
         if any(tuple(t.stride()) != leaf.stride for t, leaf in zip(leaves, specs)):
             raise ValueError("decode_mm_triton: leaf strides differ from the program's; use decode_mm")
         _LEAVES_OK.put((text, x.device), leaves, True)
-    if bias is not None and (bias.dim() > x.dim() or bias.shape[-1] not in (1, prog.N)):
-        raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to [M, {prog.N}]")
+    out_shape = (*x.shape[:-1], prog.N)
+    if bias is not None and (bias.dim() > x.dim() or
+                             any(b not in (1, o) for b, o in zip(reversed(bias.shape), reversed(out_shape)))):
+        raise ValueError(f"decode_mm: bias of shape {tuple(bias.shape)} does not broadcast to {list(out_shape)}")
     if bias is not None and bias.device != x.device:
         raise ValueError(f"decode_mm: bias is on {bias.device}, x on {x.device}")
 
@@ -916,7 +918,16 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
                 raise ValueError(f"decode_mm_triton: workspace must be a contiguous {ws_dtype}"
                                  f"[{cfg.SPLIT_K}, 1, {M}, {prog.N}]")
             ws = workspace[:, 0]
-        return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws, record)
+        try:
+            return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws, record)
+        except ValueError as e:
+            if config is not None or workspace is not None:
+                raise
+            # chosen per program and M, on another layer's leaves: these do not fit its kernel (codes that do
+            # not start 4-byte aligned for int4 words, a view at an odd offset of a shared buffer); the
+            # decode-once path takes any leaves (decode_mm_group falls back the same way)
+            log.info("fusekern decode_mm: %s does not take this layer's leaves (%s): decoding the weight once", cfg, e)
+            cfg = DequantConfig()
     launches = []
     rec = launches.append if record is not None and workspace is None else None
     if isinstance(cfg, DequantConfig):

@@ -11,7 +11,9 @@ leaves (one comparison on the device and one host sync, remembered per leaf set 
 and takes the hand-tuned path only where they hold. The verdict is kept per leaf set and each leaf's version
 counter, so a g_idx written in place (``load_state_dict`` of an act-order checkpoint into a module that ran
 before) is checked again; a CUDA graph captured before such a write keeps replaying what it captured, and
-inference-mode tensors, which count no versions, are not checked again.
+writes that count no version are not seen: through ``t.data`` (``t.data.copy_(...)``, a view that has its own
+counter) or into inference-mode tensors. Load such leaves with ``t.copy_(...)`` outside inference mode, or
+assign a new tensor (a new leaf set: checked on its first call).
 
 The same check covers small shift tables held in buffers or module attributes (GPTQModel's ``wf``,
 ``arange(0, 32, 4)``): the graph passes them like weights, so their values too are known only at run time.

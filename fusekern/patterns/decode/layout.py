@@ -94,10 +94,13 @@ def _parse_layout(text: str) -> PackedLayout | None:
     """Parsed once per text: the op passes the layout's text on every call."""
     if not text:
         return None
-    doc = json.loads(text)
-    if doc.pop("v", None) != LAYOUT_VERSION:
-        return None
-    return PackedLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+    try:
+        doc = json.loads(text)
+        if doc.pop("v", None) != LAYOUT_VERSION:
+            return None
+        return PackedLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+    except (ValueError, TypeError, AttributeError) as e:  # (json's errors are ValueErrors)
+        raise ValueError(f"not a packed layout's text: {text[:80]!r} ({e})") from None
 
 
 def leaf_strides(t: torch.Tensor | None, dims: tuple) -> tuple[int, int]:
