@@ -181,6 +181,29 @@ def test_misaligned_and_non_contiguous_packed_weights(name):
             assert rel_err(got.cpu(), want) < TOL[torch.bfloat16], (cfg, rel_err(got.cpu(), want))
 
 
+def test_code_offsets_past_two_to_the_31_elements():
+    """The generic kernels (swap-AB tile, weight decode) formed code offsets in 32 bits and the GEMV switched to
+    64 bits by the element count: a leaf whose rows lie 2**31 elements apart (an fp8 / int8 [N, K] head with N * K
+    of 2**31 or more; here a strided view into a large allocation, touched only where the rows are) read row 2 from
+    a wrapped address. The allocation is left uninitialized: only its three rows are written."""
+    case = BY_NAME["fp8_channel"]
+    prog, _, lay, leaves, _, _ = setup(case, M=2)
+    K, N = prog.K, 3
+    row = 2**30 + 65  # (not a multiple of 4: the codes are read byte by byte)
+    big = torch.empty(2**31 + 2 * row + 256, dtype=torch.uint8, device=DEVICE)
+    codes = big[2**31:].as_strided((N, K), (row, 1))
+    codes.copy_((torch.randn(N, K) * 2).to(torch.float8_e4m3fn).view(torch.uint8))
+    codes = codes.view(torch.float8_e4m3fn)
+    assert pm.needs_i64(codes) and not pm.needs_i64(leaves[lay.code])
+    ls = [codes, (torch.rand(N) * 0.02 + 0.005).to(DEVICE)]
+    x = torch.randn(2, K, dtype=torch.float16, device=DEVICE)
+    want = pm.packed_mm_reference(x, ls, lay, K, N)
+    for cfg in (pm.PackedDot(16, 64, 64, 1, 4), pm.PackedDequant(64, 64), pm.PackedGemv(32, 64, 1, 4)):
+        got = pm.packed_mm(x, ls, lay, K, N, cfg)
+        assert rel_err(got.cpu(), want) < TOL[torch.float16], (cfg, got[:, 2], want[:, 2])
+    del big, codes
+
+
 def test_dispatch_offers_packed_kernels_first():
     prog, text, lay, leaves, _, x = setup(BY_NAME["gptq"])
     cands = dm.candidates(1, 8192, 8192, layout=lay.to_text())

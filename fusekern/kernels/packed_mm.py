@@ -176,18 +176,28 @@ def _gemv_store(out, g_ptr, bias_ptr, out_ptr, pid_k, m, offs_n, N, stride_os, s
 
 
 @triton.jit
+def _offset2(a, b, sa, sb, I64: tl.constexpr):
+    """``a * sa + b * sb``, in 64 bits with I64."""
+    if I64:
+        return a.to(tl.int64) * sa + b.to(tl.int64) * sb
+    else:
+        return a * sa + b * sb
+
+
+@triton.jit
 def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
           BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, PACK_N: tl.constexpr,
           ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr,
           ZORDER: tl.constexpr, SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, APPLY_SCALE: tl.constexpr,
-          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, I64: tl.constexpr = False):
     """The decoded ``[BLOCK_K, BLOCK_N]`` tile (fp32) at rows ``offs_k``, columns ``offs_n``: zero point
-    removed; the scale applied when APPLY_SCALE (else the caller applies it per tile)."""
+    removed; the scale applied when APPLY_SCALE (else the caller applies it per tile). I64: the codes' offsets
+    in 64 bits (a code leaf whose last element lies 2**31 or more past its first: ``needs_i64``)."""
     k = offs_k[:, None]
     n = offs_n[None, :]
     mask = (k < K) & (n < N)
     if P == 1:
-        words = tl.load(q_ptr + k * sqk + n * sqn, mask=mask, other=0)
+        words = tl.load(q_ptr + _offset2(k, n, sqk, sqn, I64), mask=mask, other=0)
         if VALUE != 2:
             words = words.to(tl.int32)
         if VALUE == 1:
@@ -197,7 +207,8 @@ def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, 
     elif PACK_N:
         BNW: tl.constexpr = BLOCK_N // P
         nw = n0 // P + tl.arange(0, BNW)
-        words = tl.load(q_ptr + k * sqk + nw[None, :] * sqn, mask=(k < K) & (nw[None, :] < KW), other=0).to(tl.int32)
+        words = tl.load(q_ptr + _offset2(k, nw[None, :], sqk, sqn, I64), mask=(k < K) & (nw[None, :] < KW),
+                        other=0).to(tl.int32)
         pos = tl.arange(0, P)
         shifts = ((ORDER >> (4 * pos)) & 15) * BITS
         v = _value(words[:, :, None], shifts[None, None, :], VALUE, BITS)
@@ -205,7 +216,8 @@ def _tile(q_ptr, z_ptr, s_ptr, k0, n0, offs_k, offs_n, sqk, sqn, szk, szn, ssk, 
     else:
         BKW: tl.constexpr = BLOCK_K // P
         kw = k0 // P + tl.arange(0, BKW)
-        words = tl.load(q_ptr + kw[:, None] * sqk + n * sqn, mask=(kw[:, None] < KW) & (n < N), other=0).to(tl.int32)
+        words = tl.load(q_ptr + _offset2(kw[:, None], n, sqk, sqn, I64), mask=(kw[:, None] < KW) & (n < N),
+                        other=0).to(tl.int32)
         pos = tl.arange(0, P)
         shifts = ((ORDER >> (4 * pos)) & 15) * BITS
         v = _value(words[:, None, :], shifts[None, :, None], VALUE, BITS)
@@ -552,7 +564,7 @@ def packed_gemv_n_kernel(
     BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr, WORD_I32: tl.constexpr,
     ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, I64: tl.constexpr = False,
 ):
     """The GEMV for weights packed along N (AWQ): each word holds P adjacent columns (KW: words per k)."""
     pid_n = tl.program_id(0)
@@ -568,7 +580,7 @@ def packed_gemv_n_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
                   BITS, P, ORDER, VALUE, True, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
-                  not PER_TILE, BLOCK_K, BLOCK_N)
+                  not PER_TILE, BLOCK_K, BLOCK_N, I64)
         xk = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0).to(tl.float32)
         if PER_TILE and SCALE != 0:
             acc += v * _tile_scale(s_ptr, k0, offs_n, N, GK, GN, ssk, ssn, SCALE) * xk[:, None]
@@ -590,6 +602,7 @@ def packed_dot_kernel(
     PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    I64: tl.constexpr = False,
 ):
     """Swap-AB tensor-core GEMM: ``out^T[BLOCK_N, BLOCK_M] += W^T x^T``, so N fills the MMA's 64-row side
     when M is small. The decoded tile (zero removed: small integers, exact in bf16 / fp16) goes to the
@@ -608,7 +621,7 @@ def packed_dot_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         v = _tile(q_ptr, z_ptr, s_ptr, k0, pid_n * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn, K, N, KW,
                   BITS, P, ORDER, VALUE, PACK_N, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
-                  not PER_TILE, BLOCK_K, BLOCK_N)
+                  not PER_TILE, BLOCK_K, BLOCK_N, I64)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk,
                      mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0)
         if IEEE:
@@ -639,7 +652,7 @@ def packed_decode_kernel(
     BITS: tl.constexpr, P: tl.constexpr, ORDER: tl.constexpr, VALUE: tl.constexpr,
     PACK_N: tl.constexpr, ZERO: tl.constexpr, ZERO_VALUE: tl.constexpr, ZPW: tl.constexpr, ZORDER: tl.constexpr,
     SCALE: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, I64: tl.constexpr = False,
 ):
     """The weight ``W[k, n]`` written once in the activation dtype (cuBLAS then multiplies)."""
     k0 = tl.program_id(0) * BLOCK_K
@@ -647,7 +660,7 @@ def packed_decode_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     v = _tile(q_ptr, z_ptr, s_ptr, k0, tl.program_id(1) * BLOCK_N, offs_k, offs_n, sqk, sqn, szk, szn, ssk, ssn,
               K, N, KW, BITS, P, ORDER, VALUE, PACK_N, ZERO, ZERO_VALUE, ZPW, ZORDER, SCALE, GK, GN,
-              True, BLOCK_K, BLOCK_N)
+              True, BLOCK_K, BLOCK_N, I64)
     if HAS_GLOBAL:
         v = v * tl.load(g_ptr).to(tl.float32)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -744,6 +757,12 @@ def _encode(order) -> int:
 _ARGS = LeafCache()
 
 
+def needs_i64(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last element lies 2**31 or more elements past its first: its offsets need 64 bits
+    (its element count alone misses views with large strides)."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0) >= 2**31
+
+
 def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
     """Pointer and stride arguments, and constexprs, shared by the launchers. Strides and constexprs are
     derived once per leaf set (the cache holds no tensor: it must not keep a dropped model's weights)."""
@@ -821,7 +840,7 @@ def gemv(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Packed
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1)), dict(
         P=p, KPOS=_kpos(order), WORD_I32=word_i32, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, VEC_K=cfg.vec_k, ASM=not _INTERPRET,
-        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=leaves[lay.code].numel() >= 2**31,
+        EVEN=K % cfg.BLOCK_K == 0 and N % cfg.BLOCK_N == 0, I64=needs_i64(leaves[lay.code]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
         record(replay.split_k_replay(launch, M, N, x.dtype, cfg.SPLIT_K, None if has_bias else replay.X))
@@ -852,7 +871,8 @@ def _gemv_n(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Pac
         x, *ptrs, bias if has_bias else x, out, M, N, K, kw,
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2),
         P=lay.per_word, ORDER=_encode(lay.order), WORD_I32=False, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
-        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, I64=needs_i64(leaves[lay.code]), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **consts)
     return reduce_split_k(out, bias, x.dtype, cfg.SPLIT_K)
 
 
@@ -871,7 +891,8 @@ def dot(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: PackedD
         x.stride(0), x.stride(1), sqk, sqn, ssk, ssn, szk, szn, out.stride(0), out.stride(1), out.stride(2)), dict(
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
         HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts), rec)
+        IEEE=x.dtype == torch.float32, I64=needs_i64(leaves[lay.code]), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **consts), rec)
     if rec and launch.replayable:
         sk = cfg.SPLIT_K
         record(replay.Replay(launch, {"x_ptr": replay.X, "out_ptr": 0, **({} if has_bias else {"bias_ptr": replay.X})},
@@ -895,7 +916,8 @@ def decode_weight(leaves, lay: PackedLayout, K: int, N: int, dtype: torch.dtype,
     launch = replay.launch(packed_decode_kernel, grid, (
         w, *ptrs, N, K, kw, sqk, sqn, ssk, ssn, szk, szn, w.stride(0), w.stride(1)), dict(
         P=lay.per_word, ORDER=_encode(lay.order), PACK_N=lay.pack_axis == "N",
-        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **consts), record is not None)
+        BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, I64=needs_i64(leaves[lay.code]), num_warps=cfg.num_warps,
+        **consts), record is not None)
     if record is not None and launch.replayable:
         record(launch)
     return w
