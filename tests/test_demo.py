@@ -22,3 +22,15 @@ def test_demo_matches_eager_and_fuses(weights, capsys):
     assert all(name.startswith(EXPECTED[weights]) for name in dequant), dequant
     assert fired["sample"] >= 1, fired
     assert "equivalent" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_cuda_graph_option_checks_and_times_both(capsys):
+    """``--cuda-graphs``: stock and fusekern compiled with mode="reduce-overhead" replay fusekern's tokens and are
+    compared with eager like the plain runs (on CPU inductor makes no graphs: the loop's step marks and copies
+    out of the graphs' buffers run, the graphs do not). The match report printed is the plain compile's."""
+    assert demo.main("cpu", weights="w4a16", steps=3, cuda_graphs=True) == 0
+    out = capsys.readouterr().out
+    for name in ("fusekern + CUDA graphs", "stock + CUDA graphs"):
+        assert f"{name} vs eager" in out and f"{name}:" in out, out
+    assert out.count("fusekern match report") == 1, out
