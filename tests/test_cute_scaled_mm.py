@@ -145,6 +145,19 @@ def test_supports_reasons_name_the_problem():
         assert "16 bytes" in csm.supports(*_operands(k=12), out_dtype=torch.bfloat16)
 
 
+def test_supports_refuses_operands_whose_rows_overlap(monkeypatch):
+    """An expanded A (row stride 0: one row serving every row) passed the row-stride check (0 is a multiple of
+    16 bytes) and reached a TMA tensor map built with a zero row stride; the Triton kernel takes it instead."""
+    if csm._CUTLASS_ERROR is not None:
+        pytest.skip(csm._CUTLASS_ERROR)
+    monkeypatch.setattr(csm, "_check_device", lambda tensors: None)  # (CPU tensors stand for the GPU's here)
+    monkeypatch.setattr(csm, "_SUPPORTED", {})
+    a, b = _operands(dtype=torch.float8_e4m3fn)
+    assert csm.supports(a, b, out_dtype=torch.bfloat16) is None
+    assert "overlap" in csm.supports(a[:1].expand(16, -1), b, out_dtype=torch.bfloat16)
+    assert "overlap" in csm.supports(a, b[:1].expand(32, -1), out_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("case", list(BLOCK_BAD_CASES))
 def test_supports_block_scale_reasons_name_the_problem(case):
     if csm._CUTLASS_ERROR is not None:

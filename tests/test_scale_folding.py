@@ -357,6 +357,29 @@ def test_odd_block_sizes_do_not_fold():
 
 
 
+@pytest.mark.parametrize("group", [16, 32])
+def test_eight_bit_block_groups_shorter_than_the_8bit_dot_do_not_fold(group):
+    """K groups of 16 over 8-bit operands once folded: the kernel's K tile must sit inside one group, and Triton's
+    8-bit dot on NVIDIA GPUs takes K >= 32, so the compiled call failed to build on the GPU. Groups of 32 fold."""
+    i = _inputs(K=256)
+
+    def blocked(dt, x8, w8, sx):
+        M, K = x8.shape
+        return (x8.to(dt).view(M, K // group, group) * sx.to(dt)[..., None]).view(M, K) @ w8.to(dt).t()
+
+    sx = torch.rand(i["x8"].shape[0], 256 // group) + 0.5
+    f = functools.partial(blocked, BF16)
+    result = assert_compiled(f, (i["x8"], i["w8"], sx), tol=2e-2)
+    if group == 16:
+        assert FUSED not in result.targets
+        assert any("groups of 32 or more" in r for r in _reasons()), _reasons()
+        with pytest.raises(ValueError, match="K tiles of 32 or more"):
+            S.scaled_mm_triton(i["x8"], i["w8"].t(), a_block=sx, b_block=torch.ones(2, 256 // 16), group_n=128,
+                               group_k=16, out_dtype=BF16)
+    else:
+        assert FUSED in result.targets
+
+
 _WRITES_PROBE = """
 import torch, triton
 from torch._higher_order_ops import triton_kernel_wrap as W

@@ -116,6 +116,9 @@ class Config:
     remat: str = "epilogue"
 
 
+MIN_GROUP_K_8BIT = 32  # Triton's 8-bit tl.dot takes K >= 32 on NVIDIA GPUs: a K tile fits in one block-scale group
+
+
 @functools.lru_cache(maxsize=4096)
 def select_config(M: int, N: int, K: int, operand_bytes: int, group_k: int = 0) -> Config:
     """A launch config for one problem size (H200 sweep: benchmarks/sweep_scaled_mm.py).
@@ -291,6 +294,9 @@ def scaled_mm_triton(a, b, row=None, col=None, bias=None, residual=None, a_block
     if blocked and (group_k < 16 or group_k & (group_k - 1)):
         raise ValueError(f"scaled_mm: the Triton kernel needs a power-of-two K group >= 16, got {group_k}")
     cd = compute_dtype(a.dtype, b.dtype)
+    if blocked and cd.itemsize == 1 and group_k < MIN_GROUP_K_8BIT:
+        raise ValueError(f"scaled_mm: 8-bit operands multiply in K tiles of {MIN_GROUP_K_8BIT} or more (the tensor "
+                         f"cores' 8-bit dot), which a K group of {group_k} would split")
     cfg = config or select_config(M, N, K, cd.itemsize, group_k if blocked else 0)
     if blocked and cfg.BLOCK_K > group_k:
         raise ValueError(f"scaled_mm: BLOCK_K={cfg.BLOCK_K} exceeds the scale group {group_k}")

@@ -446,6 +446,11 @@ def plan(mm: Node) -> Plan:
     for op in (a, b):
         if op.block is not None and (op.block[3] < 16 or op.block[3] & (op.block[3] - 1)):
             raise Decline(f"block scales group K by {op.block[3]} (a power of two >= 16 only)")
+        cd = kernel.compute_dtype(_val(a.base).dtype, _val(b.base).dtype)
+        if op.block is not None and cd is not None and cd.itemsize == 1 and op.block[3] < kernel.MIN_GROUP_K_8BIT:
+            # (the kernel's K tile must sit inside one group, and its 8-bit dot takes K >= 32: it would not compile)
+            raise Decline(f"block scales group K by {op.block[3]}: 8-bit operands need groups of "
+                          f"{kernel.MIN_GROUP_K_8BIT} or more")
     out_dtype = _val(out.last).dtype
     if out_dtype not in kernel.OUT_DTYPES:
         raise Decline(f"the result is {out_dtype}")
