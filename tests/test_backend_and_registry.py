@@ -480,6 +480,23 @@ def test_harness_reports_worst_input_of_a_wrong_pattern():
         fusekern.unregister_pattern(name)
 
 
+def test_harness_reports_the_searchs_own_error_beside_the_replacements():
+    """Each case carries the search function's own error against the float64 reference, so a report shows how
+    far the graph being replaced already was: bf16 matmuls are off by about bf16's rounding, and a replacement
+    that computes the same thing in the same dtypes is within a small factor of it."""
+    name = "same_mm_bf16"
+    spec = dict(x=fusekern.T("M", "K", dtype=torch.bfloat16), w=fusekern.T("N", "K", dtype=torch.bfloat16))
+    p = fusekern.register_pattern(name, _mm, lambda x, w: torch.mm(x, w.t()), inputs=spec)
+    try:
+        r = check_pattern(p, draws=6)
+        assert r.passed
+        for c in r.cases:
+            assert 1e-4 < c.search_err < 1e-2 and c.err <= 4 * c.search_err, (c.err, c.search_err)
+        assert "the search's own" in r.worst.describe(p)
+    finally:
+        fusekern.unregister_pattern(name)
+
+
 def test_every_builtin_pattern_is_equivalent():
     for p in _builtin_searches():
         check_pattern(p, draws=12).assert_ok()

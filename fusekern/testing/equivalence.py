@@ -51,6 +51,9 @@ class Case:
     err: float
     tol: float
     note: str = ""
+    # the search function's own error in its dtypes against the same float64 reference (NaN where there is no
+    # separate reference): how far the graph being replaced already is, beside the replacement's ``err``
+    search_err: float = float("nan")
 
     @property
     def ok(self) -> bool:
@@ -58,8 +61,9 @@ class Case:
 
     def describe(self, pattern: Pattern) -> str:
         dims = {k: v for k, v in self.sizes.items() if not k.startswith("B") or k == "B0"}
+        own = "" if self.search_err != self.search_err else f", the search's own {self.search_err:.3g}"
         return (f"[{self.variant}] sizes={dims} layout={self.layout}: rel_err={self.err:.3g} "
-                f"(tolerance {self.tol:.3g}){' ' + self.note if self.note else ''}")
+                f"(tolerance {self.tol:.3g}{own}){' ' + self.note if self.note else ''}")
 
 
 @dataclass
@@ -132,14 +136,17 @@ def check_pattern(
         except Exception:  # search code that only runs in the low-precision dtypes
             ref, note = want, "(reference: search in its own dtypes)"
         tol = p.tol(compute_dtype(want, *args.values()))
+        search_err = float("nan")
         if isinstance(want, torch.Tensor) and not (want.is_floating_point() or want.is_complex()):
             err = 0.0 if got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()) else float("inf")
             note = note or "(integer / bool output: must be equal)"
         else:
             err = rel_err(got, ref)
+            if ref is not want:
+                search_err = rel_err(want, ref)
         if got.dtype != want.dtype or got.shape != want.shape:
             err, note = float("inf"), f"replacement gave {tuple(got.shape)} {got.dtype}, search {tuple(want.shape)} {want.dtype}"
-        result.cases.append(Case(variant.label(), sizes, layout, err, tol, note))
+        result.cases.append(Case(variant.label(), sizes, layout, err, tol, note, search_err))
     return result
 
 
