@@ -156,6 +156,7 @@ def test_supports_refuses_operands_whose_rows_overlap(monkeypatch):
     assert csm.supports(a, b, out_dtype=torch.bfloat16) is None
     assert "overlap" in csm.supports(a[:1].expand(16, -1), b, out_dtype=torch.bfloat16)
     assert "overlap" in csm.supports(a, b[:1].expand(32, -1), out_dtype=torch.bfloat16)
+    assert "overlap" in csm.supports(a.as_strided((1, 64), (0, 1)), b, out_dtype=torch.bfloat16)  # one row
 
 
 @pytest.mark.parametrize("case", list(BLOCK_BAD_CASES))

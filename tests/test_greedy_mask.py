@@ -206,6 +206,17 @@ def test_kernel_rounds_the_quotient_to_eagers_dtype():
         ma.masked_argmax_triton(logits, torch.ones(2, 1, dtype=torch.float64, device=DEVICE))
 
 
+@pytest.mark.gpu
+def test_gpu_kernel_casts_a_wider_temperature_tensor_as_cuda_eager_does():
+    """On CUDA, eager casts a 0-d fp32 T to fp16 logits' dtype before dividing (1.3 -> 1.2998): 2.6015625 and
+    2.603515625 over it round to two fp16 values, where over 1.3 itself they tie. The kernel divides the same way."""
+    logits = torch.tensor([[2.6015625, 2.603515625]], dtype=torch.float16, device="cuda")
+    T = torch.tensor(1.3, device="cuda")
+    want = (logits / T).argmax(-1)
+    assert want.item() == 1 and (logits.float() / 1.3).half().argmax(-1).item() == 0  # (the case separates them)
+    assert torch.equal(ma.masked_argmax_triton(logits, T), want)
+
+
 def test_one_row_of_banned_ids_bans_them_in_every_row():
     """banned [1, n] with B > 1 (which check_args accepts): the kernel banned the ids in every row, the
     reference (the op's CPU path) in row 0 only."""

@@ -204,8 +204,8 @@ def _check_kmajor_operand(name: str, t: torch.Tensor) -> Optional[str]:
         return f"{name} is not K-major (stride {tuple(t.stride())})"
     if (t.stride(0) * t.element_size()) % 16 != 0:
         return f"{name}'s row stride is not a multiple of 16 bytes"
-    if t.stride(0) < t.shape[1] and t.shape[0] > 1:  # (an expanded row: rows that overlap, which no TMA tensor
-        return f"{name}'s rows overlap (row stride {t.stride(0)} < K = {t.shape[1]})"  # map was built for here)
+    if t.stride(0) < t.shape[1]:  # (an expanded row, or one row whose stride is 0: a TMA map's row stride here)
+        return f"{name}'s rows overlap (row stride {t.stride(0)} < K = {t.shape[1]})"
     if (t.shape[1] * t.element_size()) % 16 != 0:
         return f"K * element size of {name} is not a multiple of 16 bytes"
     if not _is_fake(t) and t.data_ptr() % 16 != 0:

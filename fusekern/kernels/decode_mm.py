@@ -920,13 +920,16 @@ def decode_mm_triton(x: torch.Tensor, leaves, text: str, bias: torch.Tensor | No
             ws = workspace[:, 0]
         try:
             return pm.packed_mm(x, leaves, lay, prog.K, prog.N, cfg, bias, ws, record)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - see below
             if config is not None or workspace is not None:
                 raise
-            # chosen per program and M, on another layer's leaves: these do not fit its kernel (codes that do
-            # not start 4-byte aligned for int4 words, a view at an odd offset of a shared buffer); the
-            # decode-once path takes any leaves (decode_mm_group falls back the same way)
-            log.info("fusekern decode_mm: %s does not take this layer's leaves (%s): decoding the weight once", cfg, e)
+            # chosen per program and M, on another layer's leaves: these do not fit its kernel (ValueError: codes
+            # that do not start 4-byte aligned for int4 words, a view at an odd offset of a shared buffer), or a
+            # build the tuner never ran for them does not compile or fit; the decode-once path takes any leaves
+            # (decode_mm_group falls back the same way)
+            (log.info if isinstance(e, ValueError) else log.warning)(
+                "fusekern decode_mm: %s failed on this layer's leaves (%s: %s): decoding the weight once", cfg,
+                type(e).__name__, e)
             cfg = DequantConfig()
     launches = []
     rec = launches.append if record is not None and workspace is None else None

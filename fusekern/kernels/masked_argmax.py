@@ -77,6 +77,7 @@ def masked_argmax_kernel(
     V, CHUNK, SPLIT, n_banned, stride_x, stride_t, stride_bb, stride_bj, stride_mb, stride_mv,
     HAS_T: tl.constexpr, T_TENSOR: tl.constexpr, HAS_BANNED: tl.constexpr, HAS_MASK: tl.constexpr,
     DTYPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT_ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    ROUND_T: tl.constexpr = False,
 ):
     """Program (row, part) finds the argmax of the row's chunk [part * CHUNK, (part + 1) * CHUNK). With
     SPLIT_ROWS (SPLIT > 1 programs per row) the last of a row's programs to finish combines the chunks
@@ -87,6 +88,8 @@ def masked_argmax_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_x
     if T_TENSOR:
         t = tl.load(t_ptr + row * stride_t).to(tl.float32)
+        if ROUND_T:  # (CUDA eager casts a tensor T to the quotient's dtype before dividing)
+            t = t.to(DTYPE).to(tl.float32)
     else:
         t = t_scalar
     lo = part * CHUNK
@@ -208,9 +211,11 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
                          mask: torch.Tensor | None = None, block: int = 2048, split: int | None = None,
                          warps: int | None = None, record=None) -> torch.Tensor:
     """One token per row of ``logits [B, V]``; ``temperature``: None, a number, or a tensor with one
-    value (0-d / [1]) or one per row ([B, 1]), the quotient rounded to eager's dtype (``quotient_dtype``);
-    ``banned``: int ids ``[B, n]``, or ``[1, n]`` / ``[n]`` (every row); ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough for
-    about two per SM); warps: of each program (default: see warps_for). record: called with a
+    value (0-d / [1]) or one per row ([B, 1]), divided as eager divides on the logits' device: the quotient
+    rounded to eager's dtype (``quotient_dtype``), and on CUDA a tensor T of another dtype first cast to it (a
+    CPU 0-d T is a number, as eager reads a CPU scalar); ``banned``: int ids ``[B, n]``, or ``[1, n]`` / ``[n]``
+    (every row); ``mask``: bool ``[B, V]`` or ``[V]``, True = banned. split: programs per row (default: enough
+    for about two per SM); warps: of each program (default: see warps_for). record: called with a
     ``layout_replay.LayoutReplay`` of the launch where it can replay (the op's)."""
     check_args(logits, temperature, banned, mask)
     given = (logits, temperature, banned, mask)
@@ -257,7 +262,8 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
         logits, t, float(temperature) if temperature is not None and not t_tensor else 1.0, b2, m2, out,
         ws_v, ws_i, cnt, V, chunk, split, n_banned, logits.stride(0), stride_t, sbb, sbj, smb, smv),
         dict(HAS_T=temperature is not None, T_TENSOR=t_tensor, HAS_BANNED=banned is not None,
-             HAS_MASK=mask is not None, DTYPE=_TL[quotient], BLOCK=block, SPLIT_ROWS=split > 1,
+             HAS_MASK=mask is not None, DTYPE=_TL[quotient], BLOCK=block,
+             ROUND_T=t_tensor and temperature.dtype != quotient and logits.is_cuda, SPLIT_ROWS=split > 1,
              SPLIT_BLOCK=split_block, num_warps=warps or warps_for(B, logits.device)), record is not None)
     # slots: each input's own address, or the output where an input is absent (as above)
     sources = {"x_ptr": 0, "t_ptr": 1 if t_tensor else 0, "banned_ptr": 2 if banned is not None else 0,

@@ -35,7 +35,7 @@ from fusekern.kernels.int4_mma_sync import Int4MmaSync, int4_mma_sync
 from fusekern.kernels.fp4_mma import Fp4Mma, fp4_mma, layout_fits as fp4_mma_fits
 from fusekern.kernels.fp4_mma_sync import Fp4MmaSync, fp4_mma_sync, layout_fits as fp4_mma_sync_fits
 from fusekern.kernels.fp8_mma import Fp8Mma, fp8_mma, layout_fits as fp8_mma_fits
-from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.intmath import cdiv, needs_i64
 from fusekern.kernels.leaf_cache import LeafCache
 from fusekern.kernels.split_counters import split_counters
 from fusekern.kernels.split_k import add_partials
@@ -755,12 +755,6 @@ def _encode(order) -> int:
 
 
 _ARGS = LeafCache()
-
-
-def needs_i64(t: torch.Tensor) -> bool:
-    """Whether ``t``'s last element lies 2**31 or more elements past its first: its offsets need 64 bits
-    (its element count alone misses views with large strides)."""
-    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0) >= 2**31
 
 
 def _common(lay: PackedLayout, leaves, K: int, N: int, word_i32: bool):
