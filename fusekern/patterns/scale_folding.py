@@ -443,10 +443,10 @@ def plan(mm: Node) -> Plan:
                 raise NotOurs(f"the {side} is decoded from integer / fp8 codes")
     if a.block is not None and b.block is not None and a.block[3] != b.block[3]:
         raise Decline(f"activation and weight block scales group K by {a.block[3]} and {b.block[3]}")
+    cd = kernel.compute_dtype(_val(a.base).dtype, _val(b.base).dtype)
     for op in (a, b):
         if op.block is not None and (op.block[3] < 16 or op.block[3] & (op.block[3] - 1)):
             raise Decline(f"block scales group K by {op.block[3]} (a power of two >= 16 only)")
-        cd = kernel.compute_dtype(_val(a.base).dtype, _val(b.base).dtype)
         if op.block is not None and cd is not None and cd.itemsize == 1 and op.block[3] < kernel.MIN_GROUP_K_8BIT:
             # (the kernel's K tile must sit inside one group, and its 8-bit dot takes K >= 32: it would not compile)
             raise Decline(f"block scales group K by {op.block[3]}: 8-bit operands need groups of "
