@@ -242,7 +242,6 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
     from fusekern.testing import rel_err
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    graphs = bool(cuda_graphs)
     cfg = LLAMA3_8B_SHAPED if device == "cuda" else TINY
     steps = steps or (64 if device == "cuda" else 12)
     if weights not in WEIGHTS:
@@ -279,7 +278,7 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
         stock_sampler = sample
         _warm_up("stock torch.compile", stock_step, stock_sampler, prompt)
     runs["stock"] = generate(model, stock_step, stock_sampler, prompt, steps, replay=runs["fusekern"].fed)
-    if graphs:
+    if cuda_graphs:
         ro = "reduce-overhead"
         with torch._inductor.config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):

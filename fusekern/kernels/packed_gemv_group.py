@@ -27,7 +27,7 @@ import triton.language as tl
 from fusekern.kernels import packed_mm as pm
 from fusekern.kernels import replay
 from fusekern.kernels.group_member import pick as pick_member
-from fusekern.kernels.intmath import cdiv
+from fusekern.kernels.intmath import cdiv, needs_i64
 from fusekern.kernels.split_counters import split_counters
 from fusekern.patterns.decode.layout import PackedLayout
 
@@ -134,7 +134,7 @@ def gemv_group(x: torch.Tensor, members: list, lay: PackedLayout, K: int, Ns: li
     outs, ws, cnt, out_offsets, ws_offsets = group_outputs(x, Ns, cfg.SPLIT_K, M * sum(tiles), workspace,
                                                            "gemv_group")
     even = K % cfg.BLOCK_K == 0 and all(n % cfg.BLOCK_N == 0 for n in Ns)
-    i64 = any(pm.needs_i64(leaves[lay.code]) for leaves in members)
+    i64 = needs_i64(*(leaves[lay.code] for leaves in members))
     q, s, z, g = ptrs
     rec = record is not None and workspace is None
     launch = replay.launch(packed_gemv_group_kernel, (sum(tiles), cfg.SPLIT_K, M), (

@@ -417,11 +417,8 @@ def _gemv_epilogue(out, g_ptr, bias_ptr, out_ptr, m, offs_n, N, stride_om, strid
 
 @triton.jit
 def _load_words(qp, kw, n, sqk, sqn, KW, nmask, EVEN: tl.constexpr, I64: tl.constexpr):
-    """The [BKW, BLOCK_N] code words (64-bit offsets for a leaf of 2**31 elements or more)."""
-    if I64:
-        off = kw[:, None].to(tl.int64) * sqk + n.to(tl.int64) * sqn
-    else:
-        off = kw[:, None] * sqk + n * sqn
+    """The [BKW, BLOCK_N] code words (64-bit offsets where the leaf reaches 2**31 elements or more)."""
+    off = _offset2(kw[:, None], n, sqk, sqn, I64)
     if EVEN:
         return tl.load(qp + off)
     else:
