@@ -199,6 +199,9 @@ def test_bad_input_gets_a_clear_error():
         f8.fp8_mma(x, fp8_scales, lay, K, N, cfg)
     with pytest.raises(ValueError, match="workspace"):
         f8.fp8_mma(x, leaves, lay, K, N, cfg, workspace=torch.empty(1, 2, N, device=DEVICE))
+    e8m0_glob = torch.tensor([0.5], device=DEVICE).to(torch.float8_e8m0fnu)  # Triton's pointers do not take E8M0
+    with pytest.raises(ValueError, match="global scale must be one float"):
+        f8.fp8_mma(x, leaves + [e8m0_glob], dataclasses.replace(lay, glob=len(leaves)), K, N, cfg)
     _, lay8, leaves8, x8 = setup(K, N, 2, fmt="int8_group_asym")
     wide_zeros = [t.to(torch.int32) if i == lay8.zero_leaf else t for i, t in enumerate(leaves8)]
     with pytest.raises(ValueError, match="zero points must be int8 or uint8"):

@@ -117,6 +117,15 @@ def test_dynamic_everything(lead):
     assert_compiled(scale_after, (x, w, s), fired={"w8a16_linear_scale": 1}, dynamic=True, extra_args=more)
 
 
+def test_dynamic_weight_shape_at_m_one():
+    """dynamic=True at M = 1: M specializes to 1 while the weight's N and K stay symbolic (weights passed as
+    inputs). On CUDA the fixed-shape launch path took such a graph and failed the compile choosing a config
+    for a symbolic N and K; it needs all three dims fixed, else the registered op runs."""
+    x, w, s, _ = inputs(M=1)
+    more = [inputs(M=1, N=40, K=80, seed=3)[:3]]
+    assert_compiled(scale_after, (x, w, s), fired={"w8a16_linear_scale": 1}, dynamic=True, extra_args=more)
+
+
 @pytest.mark.parametrize("lead", [(), (1,)])
 def test_decode_m1(lead):
     x, w, s, b = inputs(M=1, lead=lead)

@@ -285,8 +285,10 @@ def check(x: torch.Tensor, leaves, lay: PackedLayout, K: int, N: int, cfg: Fp8Mm
             leaf_list.append(zeros)
         if lay.glob >= 0:
             g = leaves[lay.glob]
-            if g.numel() != 1 or not g.is_floating_point():
-                raise ValueError(f"fp8_mma: the global scale must be one float, got {g.dtype} {tuple(g.shape)}")
+            # (E8M0 is a float dtype that Triton's pointers do not take: a KeyError at launch otherwise)
+            if g.numel() != 1 or not g.is_floating_point() or g.dtype == torch.float8_e8m0fnu:
+                raise ValueError(f"fp8_mma: the global scale must be one float (not E8M0), got {g.dtype} "
+                                 f"{tuple(g.shape)}")
         for t in leaf_list:
             if t.device != x.device:
                 raise ValueError(f"fp8_mma: the leaves must be on {x.device}, got {t.device}")

@@ -31,7 +31,7 @@ from fusekern.kernels.intmath import cdiv, needs_i64
 from fusekern.kernels.remat import block_index, remat_flags
 
 # Bumped whenever a kernel or its heuristics change; part of the compiler passes' cache key.
-KERNEL_VERSION = "w8a16_linear-3"
+KERNEL_VERSION = "w8a16_linear-4"
 
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -172,6 +172,8 @@ def _w8a16_splitk_kernel(
         offs_m = offs_m.to(tl.int64)
     if SPLIT_K > 1:
         split = block_index(2) if REMAT_EPILOGUE else tl.program_id(2)
+        if I64:
+            split = split.to(tl.int64)
         ws_ptrs = out_ptr + split * M * N + offs_n[:, None] + offs_m[None, :] * N
         tl.store(ws_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
     else:
@@ -191,9 +193,13 @@ def _splitk_epilogue_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    I64: tl.constexpr = False,  # 64-bit offsets: the workspace or out reaches past 2**31 elements
 ):
     # Sums the SPLIT_K partials of [M, N] in a fixed order (deterministic), then scale, bias, cast.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    if I64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(SPLIT_K):
@@ -300,8 +306,9 @@ def _dequant_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    if I64:
+    if I64:  # both: a transposed weight's k stride is N
         offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
     w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=mask, other=0)
     scale = tl.load(scale_ptr + offs_n * stride_s, mask=offs_n < N, other=0.0).to(tl.float32)
     out = w.to(tl.float32) * scale[:, None]
@@ -361,8 +368,9 @@ def w8a16_linear_triton(
     M, K = x.shape
     N = w.shape[0]
     out_dtype = out_dtype or x.dtype
-    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype):
-        raise ValueError(f"w8a16_linear_triton: out must be {(M, N)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device):
+        raise ValueError(f"w8a16_linear_triton: out must be {(M, N)} {out_dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if config is None and M > 0 and N > 0 and K > 0:
         config = select_config(M, N, K, sm_count(x.device))
     if isinstance(config, DequantConfig):
@@ -396,7 +404,7 @@ def w8a16_linear_triton(
             block = 1024
             launch(_splitk_epilogue_kernel)[(cdiv(M * N, block),)](
                 dst, scale, bias_arg, out, M, N, *strides[4:],
-                HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+                HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, I64=needs_i64(dst, out), num_warps=4,
             )
     else:
         grid = (cdiv(M, config.BLOCK_M) * cdiv(N, config.BLOCK_N),)
@@ -409,7 +417,23 @@ def w8a16_linear_triton(
 
 
 def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig, launch) -> torch.Tensor:
-    """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue)."""
+    """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue).
+
+    Where the result is wider than x's dtype (an fp32 scale or bias after the matmul), rounding ``w * s`` or
+    the product to x's dtype would lose what the op promises: fp16 overflows past 65504 (a scale above 1,
+    large outputs) and flushes tiny scales to subnormals. There the weight goes in unscaled (exact: int8 fits
+    fp16 and bf16), the GEMM writes fp32, and scale and bias follow in fp32, as the other paths do.
+    """
+    if out_dtype.itemsize > x.dtype.itemsize:
+        w_exact = w.to(x.dtype)
+        if x.is_cuda:
+            acc = torch.mm(x, w_exact.t(), out_dtype=torch.float32)  # fp32 accumulate and write
+        else:  # (the CPU build has no mm with out_dtype: the interpreter's test path)
+            acc = torch.mm(x.float(), w_exact.float().t())
+        out = acc * scale.float()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
     N, K = w.shape
     w_deq = torch.empty((N, K), device=x.device, dtype=x.dtype)
     grid = (cdiv(N, config.BLOCK_N), cdiv(K, config.BLOCK_K))

@@ -119,8 +119,9 @@ def check_scale_before_cast(v) -> str | None:
 def _fused(x, w, s, b, out_dtype):
     n, k = w.shape
     x2, s, b = x.reshape(-1, k), s.reshape(n), None if b is None else b.reshape(n)
-    if x.is_cuda and x.dtype in ACT and isinstance(x2.shape[0], int):
-        # M is fixed in this graph: choose the kernel now and let inductor emit its launches.
+    if x.is_cuda and x.dtype in ACT and all(isinstance(d, int) for d in (*x2.shape, *w.shape)):
+        # The shape is fixed in this graph: choose the kernel now and let inductor emit its launches. (M may be
+        # fixed while N or K are not, e.g. dynamic=True with the weight an input: the choice needs all three.)
         y = kernel.traced_for_inductor(x2, w, s, b, out_dtype)
     else:
         # Symbolic M (dispatch by M at run time) or CPU: the registered op.
