@@ -16,6 +16,36 @@ def warm_up_clocks(device: str = "cuda") -> None:
     triton.testing.do_bench(lambda: a @ a, warmup=200, rep=300)
 
 
+# The floors: the bytes a call must move over the DRAM bandwidth a kernel can reach, or its FLOPs over the dense
+# tensor-core peak, whichever is longer. The H200's bandwidth is the baselines' 4.3 TB/s (a copy measured 4.22,
+# read + write; the spec says 4.8), kept fixed so that every H200 table divides by the same number. On any other
+# GPU the scripts measure a copy's rate once per run (an H100 SXM's spec is 3.35 TB/s: dividing its times by the
+# H200's rate understated its floors by a fifth). Every CSV row records the rate used (floor_TBps).
+H200_BANDWIDTH = 4.3e12
+BF16_PEAK = 989e12   # dense bf16 tensor-core FLOP/s, H100 SXM and H200 (spec)
+FP8_PEAK = 1979e12   # dense FP8
+_bandwidth: dict[str, float] = {}
+
+
+def floor_bandwidth() -> float:
+    """Bytes per second for the floors on this machine's GPU (the H200's fixed figure where there is none)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H200 (no GPU here)"
+    if "H200" in name:
+        return H200_BANDWIDTH
+    if name not in _bandwidth:
+        _bandwidth[name] = measured_copy_bandwidth()
+        print(f"floors: {name} copies at {_bandwidth[name] / 1e12:.2f} TB/s (read + write), measured", flush=True)
+    return _bandwidth[name]
+
+
+def measured_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Read + write bytes per second of a device-to-device copy of ``nbytes`` (median of do_bench)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
 COLD_BYTES = 120_000_000  # twice the H200's 60 MB L2 (as PyTorch reports it)
 
 
@@ -82,11 +112,17 @@ def per_call_us(f, args, calls: int, warmup: int = 0) -> float:
 
 
 def git_sha() -> str:
-    """The commit measured: $FUSEKERN_GIT_SHA (the device copy has no .git) or git's HEAD."""
+    """The commit measured: $FUSEKERN_GIT_SHA (the device copy has no .git) or the HEAD of this checkout (the
+    benchmarks' own, whatever the working directory), with ``+dirty`` where tracked files differ from it."""
     if os.environ.get("FUSEKERN_GIT_SHA"):
         return os.environ["FUSEKERN_GIT_SHA"]
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
 
@@ -102,7 +138,7 @@ def versions() -> dict:
     except Exception:
         cutlass_dsl = "absent"
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cutlass_dsl=cutlass_dsl, git_sha=git_sha())
+                cutlass_dsl=cutlass_dsl, git_sha=git_sha(), floor_TBps=round(floor_bandwidth() / 1e12, 3))
 
 
 def check_and_time(fn, ref: torch.Tensor, rep: int = 50, timed=None) -> tuple[float, float | str]:

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import fusekern
-from bench_common import RowWriter, check_and_time_both, versions, warm_up_clocks
+from bench_common import RowWriter, check_and_time_both, floor_bandwidth, versions, warm_up_clocks
 from fusekern.kernels import decode_attention as A
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 
 
 def attention(q, k, v, causal, pos):
@@ -73,7 +73,8 @@ def main():
             fused = torch.compile(fn, dynamic=False, backend="fusekern")
             fusekern.reset_match_report()
             fused(q, k, v, causal, pos)
-            fired = dict(fusekern.match_report().fired()).get("decode_attention", 0)
+            report = fusekern.match_report()
+            fired = (report.fired() + report.cached_fired).get("decode_attention", 0)
             variants = {
                 "eager": lambda: fn(q, k, v, causal, pos),
                 "stock_default": lambda: stock(q, k, v, causal, pos),

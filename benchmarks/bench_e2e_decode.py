@@ -9,7 +9,10 @@ Two scopes, both one decode step (one new token per row at position 8):
 - ``step``: the whole step, adding the embedding and the bf16 LM head (128256 x 4096, 1 GB: it dominates).
 Each is timed compiled with stock ``torch.compile`` (default) and with ``backend="fusekern"``, and eager:
 ``do_bench`` (median, launch overhead included) and ``do_bench_cudagraph`` (GPU time). The floor is the
-bytes the step must read (weights, scales, KV cache) over 4.3 TB/s.
+bytes of the layers' buffers (weights, scales, norms and the whole 256-slot KV cache, though a step at position 8
+reads 9 slots: at B = 64 the cache is 134 of 363 MB) over the GPU's floor bandwidth (bench_common: 4.3 TB/s on an
+H200, a measured copy rate elsewhere). A run stops if a fusekern variant fused no quantized linear (it would time
+stock's graph) or any variant differs from eager by more than the demo's tolerance.
 """
 from __future__ import annotations
 
@@ -21,13 +24,14 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, floor_bandwidth, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401  (registers the backend)
-from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, Decoder  # noqa: E402
+from fusekern.demo import LLAMA3_8B_SHAPED, PROMPT_LEN, TOLERANCE, Decoder  # noqa: E402
 from fusekern.patterns.decode.program import DecodeProgram  # noqa: E402
+from fusekern.patterns.registry import get_pattern  # noqa: E402
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 
 
 def layers_fn(model):
@@ -73,6 +77,10 @@ def main():
             if scope not in args.scopes.split(","):
                 continue
             floor = nb / BW * 1e6
+            # Each batch and scope compiles afresh: without the reset a later batch's compile would be symbolic in
+            # B (dynamo's automatic dynamic after a recompile), and the variants x batches would pass dynamo's
+            # recompile limit (8), past which the last variants silently run eager.
+            torch._dynamo.reset()
             variants = {"eager": fn, "stock": torch.compile(fn), "fusekern": torch.compile(fn, backend="fusekern")}
             if args.autotune:
                 variants["stock_autotune"] = torch.compile(fn, mode="max-autotune-no-cudagraphs")
@@ -81,6 +89,7 @@ def main():
                     fn, backend="fusekern", options={"fusekern.disable": [name]})
             ref = None
             for name, f in variants.items():
+                fusekern.reset_match_report()  # (its compile happens in the first call)
                 with torch.no_grad():
                     got = f(*fargs)
                     f(*fargs)  # fusekern measures its candidates on the first calls, before any capture
@@ -88,6 +97,14 @@ def main():
                     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                     us = triton.testing.do_bench(lambda: f(*fargs), return_mode="median") * 1e3
                     us_cg = triton.testing.do_bench_cudagraph(lambda: f(*fargs), return_mode="median") * 1e3
+                if name == "fusekern":  # (an ablation may switch off what fuses the linears)
+                    report = fusekern.match_report()
+                    fired = report.fired() + report.cached_fired
+                    if not any(get_pattern(p).family == "dequant_matmul" for p in fired):
+                        raise RuntimeError(f"{name} fused no quantized linear at B={B} ({scope}): it would time "
+                                           f"stock's graph. Fired: {dict(fired)}")
+                if err > TOLERANCE:
+                    raise RuntimeError(f"{name} at B={B} ({scope}) differs from eager: rel_err {err:.1e} > {TOLERANCE}")
                 row = dict(weights=args.weights, scope=scope, batch=B, impl=name, us=round(us, 1),
                            us_cudagraph=round(us_cg, 1), floor_us=round(floor, 1),
                            x_floor_cudagraph=round(us_cg / floor, 2), rel_err_vs_eager=f"{err:.1e}",

@@ -13,10 +13,10 @@ import argparse
 
 import torch
 
-from bench_common import RowWriter, check_and_time_both, versions, warm_up_clocks
+from bench_common import RowWriter, check_and_time_both, floor_bandwidth, versions, warm_up_clocks
 from fusekern.kernels import fp8_kv_attention as A
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 
 
 def plain_attention(q, k8, ks, v8, vs, c: float):

@@ -16,7 +16,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, floor_bandwidth, versions, warm_up_clocks  # noqa: E402
 
 import fusekern  # noqa: E402,F401
 from fusekern.kernels import masked_argmax as ma  # noqa: E402
@@ -50,7 +50,7 @@ def main():
         }
         if args.autotune:
             variants["stock_autotune"] = torch.compile(greedy_banned, mode="max-autotune-no-cudagraphs")
-        floor = B * V * 2 / 4.3e12 * 1e6
+        floor = B * V * 2 / floor_bandwidth() * 1e6
         for name, fn in variants.items():
             got = fn(logits, ids, T)
             ok = torch.equal(got.reshape(-1), want.reshape(-1))

@@ -17,7 +17,8 @@ import argparse
 
 import torch
 
-from bench_common import RowWriter, check_and_time, copies_for_cold, cycling, versions, warm_up_clocks
+from bench_common import (RowWriter, check_and_time, copies_for_cold, cycling, floor_bandwidth, versions,
+                          warm_up_clocks)
 from fusekern.kernels import decode_mm as dm
 from fusekern.kernels import packed_mm as pm
 from fusekern.patterns.decode.formats import recognize
@@ -27,7 +28,7 @@ from fusekern.testing.decode_cones import decode_program
 from fusekern.testing.decode_zoo import BY_NAME
 
 SHAPES = "8192x8192,4096x4096,14336x4096,4096x14336,128256x4096"
-BANDWIDTH = 4.3e12
+BANDWIDTH = floor_bandwidth()
 
 
 def floor_us(leaves, N: int, K: int, M: int) -> float:

@@ -23,11 +23,11 @@ import torch
 import triton.testing
 
 import fusekern
-from bench_common import versions, warm_up_clocks, write_csv
+from bench_common import floor_bandwidth, versions, warm_up_clocks, write_csv
 from fusekern.kernels import sampler as S
 from fusekern.testing.sampling_chains import gpt_fast, hf_sample, vllm_sample
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 V = 128256
 T, K, P, MIN_P = 0.8, 50, 0.9, 0.05
 
@@ -117,8 +117,11 @@ def main():
                       f"{'ok' if ok else 'WRONG ' + err}", flush=True)
                 if args.csv:
                     write_csv(args.csv, rows)
-            fired = dict(fusekern.match_report().fired())
+            report = fusekern.match_report()  # (with what graphs from inductor's FX cache fired when compiled)
+            fired = dict(report.fired() + report.cached_fired)
             print(f"   fusekern fired: {fired}", flush=True)
+            if not fired:  # its rows above then timed the graph as written: fail the run, loudly
+                raise RuntimeError(f"fusekern fused nothing in the {style} chain at B={B}")
 
 
 if __name__ == "__main__":

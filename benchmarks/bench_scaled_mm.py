@@ -18,12 +18,10 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from bench_common import RowWriter, versions, warm_up_clocks
+from bench_common import BF16_PEAK, FP8_PEAK, RowWriter, floor_bandwidth, versions, warm_up_clocks
 from fusekern.kernels import scaled_mm as S
 
-BW = 4.3e12
-FP8_PEAK = 1979e12  # H200 dense FP8 tensor-core peak (spec)
-BF16_PEAK = 989e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 
 

@@ -22,8 +22,19 @@ ROOT = os.path.dirname(HERE)
 
 def _num(v: str) -> str:
     """A median in µs as the tables print it: one decimal; failed runs say so."""
-    x = float(v)
+    try:
+        x = float(v)
+    except ValueError:  # "n/a (Error)": the variant could not be captured or run
+        return "n/a"
     return "–" if math.isnan(x) else f"{x:.1f}"
+
+
+def _float(v: str) -> float:
+    """A CSV number, NaN where the run wrote why it has none ("n/a (...)")."""
+    try:
+        return float(v)
+    except ValueError:
+        return math.nan
 
 
 def _with_autotune(cols: list, rows: list[dict], key: str, variant: str, label: str) -> list:
@@ -125,7 +136,8 @@ def decode_mm_autotune(rows: list[dict]) -> list[str]:
     out = ["| format | N x K | M | eager | stock compile + CUDA graph | max-autotune + CUDA graph | fusekern | "
            "fusekern + CUDA graph | bf16 cuBLAS mm | × cuBLAS (fusekern, graph) |", "|---" * 10 + "|"]
     for r in rows:
-        g, cb = float(r["fusekern_graph_us"]), float(r["cublas_bf16_call_us"])
+        # graph against graph where the run timed cuBLAS in one (older CSVs: its plain call)
+        g, cb = _float(r["fusekern_graph_us"]), _float(r.get("cublas_bf16_graph_us") or r["cublas_bf16_call_us"])
         auto = _num(r["stock_autotune_graph_us"]) if r.get("stock_autotune_graph_us") else "–"
         out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['eager_call_us'])} | "
                    f"{_num(r['stock_graph_us'])} | {auto} | "
@@ -174,6 +186,11 @@ def scaled_mm(rows: list[dict]) -> list[str]:
     cols = [("eager", "eager"), ("stock_default", "stock compile"), ("fusekern", "fusekern compiled"),
             ("fusekern_triton", "Triton kernel"), ("fusekern_cute", "CuTe kernel"),
             ("torch_scaled_mm", "torch._scaled_mm"), ("cublas_mm_alone", "cuBLAS mm alone")]
+    # The vendor's other baselines where the run measured them (newer runs: the block-scaled case's cuBLAS)
+    for variant, label in (("torch_scaled_mm_fast_accum", "torch._scaled_mm fast accum"),
+                           ("torch_scaled_mm_blockwise", "torch._scaled_mm block-scaled")):
+        if any(r["variant"] == variant for r in rows):
+            cols.append((variant, label))
     cols = _with_autotune(cols, rows, "variant", "stock_max_autotune", "stock max-autotune")
     by = {}
     for r in rows:

@@ -16,10 +16,10 @@ import itertools
 import torch
 import triton.testing
 
-from bench_common import RowWriter, versions, warm_up_clocks
+from bench_common import RowWriter, floor_bandwidth, versions, warm_up_clocks
 from fusekern.kernels import fp8_kv_attention as A
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 
 
 def main():

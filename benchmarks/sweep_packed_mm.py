@@ -18,7 +18,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import RowWriter, check_and_time, versions, warm_up_clocks  # noqa: E402
+from bench_common import RowWriter, check_and_time, floor_bandwidth, versions, warm_up_clocks  # noqa: E402
 
 from fusekern.kernels import decode_mm as dm  # noqa: E402
 from fusekern.kernels import packed_mm as pm  # noqa: E402
@@ -28,7 +28,7 @@ from fusekern.patterns.decode.program import DecodeProgram  # noqa: E402
 from fusekern.testing.decode_cones import decode_program  # noqa: E402
 from fusekern.testing.decode_zoo import BY_NAME  # noqa: E402
 
-BW = 4.3e12
+BW = floor_bandwidth()  # bytes/s (bench_common: per GPU)
 
 
 def gemv_configs(M, N, K, lay):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.testing
 
-from bench_common import warm_up_clocks, write_csv
+from bench_common import floor_bandwidth, warm_up_clocks, write_csv
 from fusekern.kernels import w8a16_linear as k
 from fusekern.testing import rel_err
 
@@ -53,7 +53,7 @@ def main():
         w = torch.randint(-128, 128, (N, K), device=dev, dtype=torch.int8)
         s = torch.rand(N, device=dev) * 0.01 + 1e-3
         ref = k.w8a16_linear_reference(x, w, s, None, torch.float32)
-        floor_us = (N * K + 2 * M * K + 2 * M * N) / 4.3e12 * 1e6
+        floor_us = (N * K + 2 * M * K + 2 * M * N) / floor_bandwidth() * 1e6
         best = None
         for cfg in candidates(M):
             try:

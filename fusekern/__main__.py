@@ -105,13 +105,23 @@ def _bench(args) -> int:
     return 1 if failed else 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fusekern")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check every registered pattern with the equivalence harness")
     c.add_argument("--device", choices=("cpu", "cuda"), default=None)
     c.add_argument("--pattern", action="append", help="only this pattern (repeatable)")
-    c.add_argument("--draws", type=int, default=24)
+    c.add_argument("--draws", type=_positive_int, default=24)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                    help="import this module first, for the patterns it registers (repeatable; the current "
@@ -119,13 +129,15 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="generate with a quantized Llama-style decoder: eager, stock inductor, fusekern")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None)
     d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")
-    d.add_argument("--steps", type=int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
-    d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--steps", type=_positive_int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
+    d.add_argument("--batch", type=_positive_int, default=1)
     d.add_argument("--cuda-graphs", action="store_true",
                    help="also run stock and fusekern compiled with mode=\"reduce-overhead\" (CUDA graphs)")
     b = sub.add_parser("bench", help="run the benchmarks on this GPU: CSV, PNG plots, result tables (H200)")
     b.add_argument("--family", action="append", choices=sorted(BENCHMARKS), help="only this family (repeatable)")
     args = ap.parse_args(argv)
+    if getattr(args, "device", None) == "cuda" and not __import__("torch").cuda.is_available():
+        ap.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     if args.cmd == "check":
         return _check(args)
     if args.cmd == "bench":

@@ -242,8 +242,12 @@ def main(device: str | None = None, weights: str = "w4a16", steps: int | None = 
     from fusekern.testing import rel_err
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (with a CUDA device present), got {device!r}")
     cfg = LLAMA3_8B_SHAPED if device == "cuda" else TINY
-    steps = steps or (64 if device == "cuda" else 12)
+    steps = (64 if device == "cuda" else 12) if steps is None else steps
+    if steps < 1 or batch < 1:
+        raise ValueError(f"steps and batch must be at least 1, got steps={steps}, batch={batch}")
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, got {weights!r}")
     if PROMPT_LEN + steps > cfg.max_seq:

@@ -34,3 +34,26 @@ def test_demo_cuda_graph_option_checks_and_times_both(capsys):
     for name in ("fusekern + CUDA graphs", "stock + CUDA graphs"):
         assert f"{name} vs eager" in out and f"{name}:" in out, out
     assert out.count("fusekern match report") == 1, out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--steps", "0"], "must be at least 1"),
+    (["demo", "--steps", "-3"], "must be at least 1"),
+    (["demo", "--batch", "0"], "must be at least 1"),
+    (["demo", "--steps", "two"], "not an integer"),
+    (["check", "--draws", "0"], "must be at least 1"),
+])
+def test_cli_refuses_bad_numbers_before_compiling(argv, message, capsys):
+    from fusekern.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(steps=0), "at least 1"), (dict(batch=0), "at least 1"), (dict(device="tpu"), "device must be"),
+])
+def test_demo_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        demo.main(**{"device": "cpu", **kwargs})

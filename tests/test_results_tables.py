@@ -51,3 +51,14 @@ def test_decode_mm_shapes_gains_the_autotune_columns_only_when_measured():
     assert cells[header.index("max-autotune + CUDA graph")] == "100.0"
     assert cells[header.index("× faster than max-autotune (graphs)")] == "6.2"
     assert cells[header.index("× floor")] == "2.00"
+
+
+def test_decode_mm_autotune_compares_graph_with_graph_and_survives_a_failed_capture():
+    row = dict(format="gptq", N="8192", K="8192", M="2048", eager_call_us="900.0", stock_graph_us="480.0",
+               stock_autotune_graph_us="470.0", fusekern_call_us="461.2", fusekern_graph_us="445.5",
+               cublas_bf16_call_us="385.2", cublas_bf16_graph_us="405.0")
+    header, _, line = rt.decode_mm_autotune([row])
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in line.strip("|").split("|")]))
+    assert cells["× cuBLAS (fusekern, graph)"] == f"{445.5 / 405.0:.2f}"  # not over cuBLAS's plain call (385.2)
+    failed = rt.decode_mm_autotune([dict(row, stock_graph_us="n/a (RuntimeError)")])[2]
+    assert "| n/a |" in failed
