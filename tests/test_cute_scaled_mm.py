@@ -264,6 +264,41 @@ def test_kernel_choice_thresholds_and_measured_band(monkeypatch):
     assert len(calls) == 3  # each key timed once
     a = torch.empty(2048, 64, device="meta", dtype=fp8)
     assert not cd.prefers_cute(a, torch.empty(64, 64, device="meta", dtype=torch.bfloat16))  # mixed dtypes
+    # A prefill of each new length in the band reuses its power-of-two bucket's measurement: no timing per length
+    assert all(cd.choice(m, 8192, 8192, fp8, False, cuda, timer) for m in range(1025, 2049, 37))
+    assert len(calls) == 3
+
+
+def test_a_failed_timing_or_cute_launch_falls_back_to_triton(monkeypatch):
+    """Out of memory while timing, or a CuTe compile or launch that raises: the op answers with Triton (None
+    here), logs, and does not try that shape again."""
+    from fusekern.kernels import cute_dispatch as cd
+
+    monkeypatch.setattr(cd, "_CHOSEN", {})
+    monkeypatch.setattr(cd, "_FAILED", set())
+    fp8, cuda = torch.float8_e4m3fn, torch.device("cuda", 0)
+
+    def oom(*key):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    assert not cd.choice(2048, 8192, 8192, fp8, False, cuda, oom)
+
+    class Broken:
+        launches = 0
+
+        def supports(self, *args, **kwargs):
+            return None
+
+        def run_supported(self, *args):
+            Broken.launches += 1
+            raise RuntimeError("launch failed (test)")
+
+    monkeypatch.setattr(cd, "_module", lambda: Broken())
+    monkeypatch.setattr(cd, "prefers_cute", lambda a, b, block=False: True)
+    a, b = torch.empty(8192, 64, dtype=fp8), torch.empty(64, 64, dtype=fp8)
+    args = (a, b, None, None, None, None, None, None, 0, 0, torch.bfloat16)
+    assert cd.try_cute_scaled_mm(*args) is None and cd.try_cute_scaled_mm(*args) is None
+    assert Broken.launches == 1
 
 
 def test_reference_matches_a_plain_float64_computation():
@@ -368,6 +403,27 @@ def test_matches_reference(ab_dtype, out_dtype, epilogue, m):
 @pytest.mark.parametrize("m,n,k", [(7, 8200, 1040), (1000, 8200, 1040), (300, 136, 80), (129, 264, 4112)])
 def test_n_and_k_tails(ab_dtype, out_dtype, m, n, k):
     _check(m, n, k, ab_dtype, out_dtype, has_row=True, has_col=True, bias_dtype=torch.bfloat16, has_residual=True)
+
+
+@pytest.mark.gpu
+def test_timing_leaves_the_seeded_generator_alone_and_times_partial_blocks(monkeypatch):
+    """The dispatcher's timing draws its operands from a generator of its own, and a block-scaled shape whose N
+    and K are not multiples of 128 gets scales the CuTe kernel takes (ceil, not floor: it used to refuse them,
+    so the timing always answered Triton there)."""
+    from fusekern.kernels import cute_dispatch as cd
+
+    mod = cd._module()
+    if mod is None:
+        pytest.skip("CuTe DSL not installed")
+    refusals = []
+    supports = mod.supports
+    monkeypatch.setattr(mod, "supports", lambda *a, **k: refusals.append(supports(*a, **k)) or refusals[-1])
+    torch.manual_seed(7)
+    want = torch.rand(3, device="cuda")
+    torch.manual_seed(7)
+    cd._cute_is_faster(1024, 7232, 7168, torch.float8_e4m3fn, True, torch.device("cuda", torch.cuda.current_device()))
+    assert torch.equal(torch.rand(3, device="cuda"), want)
+    assert refusals == [None]
 
 
 @pytest.mark.gpu

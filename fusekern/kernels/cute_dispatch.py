@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from fusekern.kernels.intmath import cdiv, next_power_of_2
+
 log = logging.getLogger("fusekern")
 
 
@@ -34,9 +36,11 @@ def _module():
 CUTE_MIN_M = {1: 4096, 2: 128}  # by operand bytes
 # Between these and CUTE_MIN_M neither kernel wins every run: at FP8 M = 2048 the CuTe kernel was faster
 # in three runs of four (docs/results-h200.md, scale folding), by up to 15%. There the first product of a shape times
-# both kernels on random operands of its shape and keeps the faster, per shape, block scaling and device.
+# both kernels on random operands of its shape and keeps the faster, per (N, K), M's power-of-two bucket, block
+# scaling and device: a prefill of each new length must not pay a timing run (a quarter second or more).
 MEASURE_MIN_M = {1: 1024}
 _CHOSEN: dict[tuple, bool] = {}
+_FAILED: set[tuple] = set()  # shapes whose CuTe compile or launch raised: Triton from then on
 
 
 def prefers_cute(a: torch.Tensor, b: torch.Tensor, block: bool = False) -> bool:
@@ -59,11 +63,16 @@ def choice(M: int, N: int, K: int, dtype: torch.dtype, block: bool, device: torc
         return True
     if M < MEASURE_MIN_M.get(size, 1 << 62) or device.type != "cuda":
         return False
-    key = (M, N, K, dtype, block, device.index)
+    key = (next_power_of_2(M), N, K, dtype, block, device.index)
     if key not in _CHOSEN:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
-        _CHOSEN[key] = bool((timer or _cute_is_faster)(M, N, K, dtype, block, device))
+        try:
+            _CHOSEN[key] = bool((timer or _cute_is_faster)(M, N, K, dtype, block, device))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory for the operands: Triton serves the shape
+            log.warning("fusekern: timing scaled_mm %dx%dx%d failed (%s: %s); using the Triton kernel",
+                        M, N, K, type(e).__name__, e)
+            _CHOSEN[key] = False
         log.info("fusekern: scaled_mm %dx%dx%d %s%s: %s kernel (measured)", M, N, K, dtype,
                  " block-scaled" if block else "", "CuTe" if _CHOSEN[key] else "Triton")
     return _CHOSEN[key]
@@ -80,18 +89,21 @@ def _cute_is_faster(M: int, N: int, K: int, dtype: torch.dtype, block: bool, dev
     mod = _module()
     if mod is None:
         return False
-    with unset_fake_temporarily(), torch.no_grad():  # (the compiler's pass may run under a fake mode)
-        a = torch.randn(M, K, device=device).to(dtype)
-        b = torch.randn(N, K, device=device).to(dtype)
+    # A generator of its own: drawing from the device's default one would change what a seeded model samples
+    # after this (the timing runs at compile time and at the first call of a new size).
+    g = torch.Generator(device=device).manual_seed(0)
+    with unset_fake_temporarily(), torch.no_grad(), torch.cuda.device(device):  # (the pass may run under a fake mode)
+        a = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=g).to(dtype)
+        b = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g).to(dtype)
         row = col = a_block = b_block = None
         group_n = group_k = 0
-        if block:
-            a_block = torch.rand(M, K // 128, device=device) + 0.5
-            b_block = torch.rand(N // 128, K // 128, device=device) + 0.5
+        if block:  # one scale per 128 x 128 block, a partial block at the ends included
+            a_block = torch.rand(M, cdiv(K, 128), device=device, generator=g) + 0.5
+            b_block = torch.rand(cdiv(N, 128), cdiv(K, 128), device=device, generator=g) + 0.5
             group_n = group_k = 128
         else:
-            row = torch.rand(M, device=device) + 0.5
-            col = torch.rand(N, device=device) + 0.5
+            row = torch.rand(M, device=device, generator=g) + 0.5
+            col = torch.rand(N, device=device, generator=g) + 0.5
         args = (a, b, row, col, None, None, a_block, b_block, group_n, group_k, torch.bfloat16)
         if mod.supports(a, b, row=row, col=col, bias=None, residual=None, out_dtype=torch.bfloat16,
                         a_block=a_block, b_block=b_block) is not None:
@@ -103,15 +115,26 @@ def _cute_is_faster(M: int, N: int, K: int, dtype: torch.dtype, block: bool, dev
 
 
 def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
-    """The CuTe kernel's result, or None when it does not apply (the caller then uses Triton)."""
+    """The CuTe kernel's result, or None when it does not apply or its compile or launch raised (the caller
+    then uses Triton; a failure is logged once and that shape stays on Triton)."""
+    if a_block is not None and (group_n, group_k) != (128, 128):  # (before any timing of a case it cannot take)
+        return None
     if not prefers_cute(a, b, a_block is not None):
         return None
     mod = _module()
     if mod is None:
         return None
-    if a_block is not None and (group_n, group_k) != (128, 128):
-        return None
     kwargs = dict(row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype, a_block=a_block, b_block=b_block)
     if mod.supports(a, b, **kwargs) is not None:
         return None
-    return mod.run_supported(a, b, row, col, bias, residual, out_dtype, a_block, b_block)
+    key = (tuple(a.shape), b.shape[0], a.dtype, out_dtype, a.device, *(t is not None for t in
+                                                                      (row, col, bias, residual, a_block)))
+    if key in _FAILED:
+        return None
+    try:
+        return mod.run_supported(a, b, row, col, bias, residual, out_dtype, a_block, b_block)
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure (out of memory, a toolchain issue)
+        log.warning("fusekern: the CuTe scaled_mm failed for %s x %s (%s: %s); using the Triton kernel",
+                    tuple(a.shape), tuple(b.shape), type(e).__name__, e)
+        _FAILED.add(key)
+        return None
