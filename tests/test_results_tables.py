@@ -58,7 +58,8 @@ def test_decode_mm_autotune_compares_graph_with_graph_and_survives_a_failed_capt
                stock_autotune_graph_us="470.0", fusekern_call_us="461.2", fusekern_graph_us="445.5",
                cublas_bf16_call_us="385.2", cublas_bf16_graph_us="405.0")
     header, _, line = rt.decode_mm_autotune([row])
-    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in line.strip("|").split("|")]))
+    names, values = ([c.strip() for c in t.strip("|").split("|")] for t in (header, line))
+    cells = dict(zip(names, values))
     assert cells["× cuBLAS (fusekern, graph)"] == f"{445.5 / 405.0:.2f}"  # not over cuBLAS's plain call (385.2)
     failed = rt.decode_mm_autotune([dict(row, stock_graph_us="n/a (RuntimeError)")])[2]
     assert "| n/a |" in failed
