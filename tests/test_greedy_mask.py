@@ -217,6 +217,18 @@ def test_gpu_kernel_casts_a_wider_temperature_tensor_as_cuda_eager_does():
     assert torch.equal(ma.masked_argmax_triton(logits, T), want)
 
 
+def test_a_temperature_column_of_a_wider_tensor():
+    """T [B, 1] whose rows are not one element apart (a column of per-row sampling parameters): the kernel read
+    it as contiguous (stride 1), so rows 1.. took other rows' temperatures."""
+    logits = logits_of(4, 64, torch.float32, seed=9)
+    params = torch.tensor([[1.0, 9.0], [-1.0, 9.0], [-1.0, 9.0], [-1.0, 9.0]], device=DEVICE)
+    T = params[:, :1]  # strides (2, 1)
+    want = (logits / T).argmax(-1)
+    stride_one_read = params.reshape(-1)[:4].reshape(-1, 1)  # 1, 9, -1, 9
+    assert not torch.equal(want, (logits / stride_one_read).argmax(-1))  # (the case separates the two reads)
+    assert torch.equal(ma.masked_argmax_triton(logits, T).cpu(), want.cpu())
+
+
 def test_one_row_of_banned_ids_bans_them_in_every_row():
     """banned [1, n] with B > 1 (which check_args accepts): the kernel banned the ids in every row, the
     reference (the op's CPU path) in row 0 only."""

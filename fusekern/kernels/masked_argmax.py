@@ -27,7 +27,7 @@ from fusekern.kernels.intmath import cdiv, next_power_of_2
 from fusekern.kernels.layout_replay import call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.split_counters import split_counters
 
-KERNEL_VERSION = "masked_argmax-5"
+KERNEL_VERSION = "masked_argmax-6"
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -229,7 +229,7 @@ def masked_argmax_triton(logits: torch.Tensor, temperature=None, banned: torch.T
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     t_tensor = isinstance(temperature, torch.Tensor)
     t = temperature.reshape(-1) if t_tensor else logits
-    stride_t = 0 if not t_tensor or t.numel() == 1 else 1
+    stride_t = 0 if not t_tensor or t.numel() == 1 else t.stride(0)  # (a column of a wider tensor: not 1)
     if banned is not None:
         b2 = banned if banned.dim() == 2 else banned.reshape(1, -1)
         sbb, sbj, n_banned = (b2.stride(0) if b2.shape[0] > 1 else 0), b2.stride(1), b2.shape[1]
