@@ -292,6 +292,22 @@ def test_gpu_sdpa_path_returns_the_contiguous_output_the_fake_declares(monkeypat
     assert rel_err(out.cpu(), A.reference_decode_attention(qt.cpu(), k.cpu(), v.cpu())) < TOL[BF16]
 
 
+def test_a_growing_cache_is_timed_once_per_power_of_two_of_its_length(monkeypatch):
+    """The op's kernel-or-SDPA choice for a KV cache that grows by a token a step (a symbolic S, which the rewrite
+    takes): timed on the first length of each power-of-two bucket, not on every step."""
+    from fusekern.kernels import decode_mm
+
+    timed = []
+    monkeypatch.setattr(decode_mm, "_gpu_time", lambda run, device=None: timed.append(1) or float(len(timed) % 2))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "_choice", {})
+    q = torch.randn(1, 2, 1, 64, dtype=BF16)
+    for S in range(8, 20):
+        k = v = torch.randn(1, 2, S, 64, dtype=BF16)
+        A._choose(q, k, v, None, 64 ** -0.5, -math.inf)
+    assert len(timed) == 2 * 3 and len(A._choice) == 3  # S = 8; 9-16; 17-19: ours and SDPA's each
+
+
 @pytest.mark.gpu
 def test_gpu_op_keeps_the_faster_path_and_both_are_right(monkeypatch):
     """The CUDA op times this kernel against PyTorch's SDPA on a shape's first call and keeps the faster;

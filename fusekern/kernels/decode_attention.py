@@ -49,6 +49,7 @@ from fusekern.compiler_pass import direct_calls
 from fusekern.kernels import replay
 from fusekern.kernels.layout_replay import OUT, call_key, output_slots, record_if_direct, recorder
 from fusekern.kernels.device_info import sm_count
+from fusekern.kernels.intmath import next_power_of_2
 from fusekern.kernels.fp8_kv_attention import (
     LOG2E, Q_DTYPES, _merge_splits, _query_rows, check_decode_shapes, padded_rows, split_chunk, split_plan,
 )
@@ -385,19 +386,26 @@ torch.library.define(
     "(Tensor q, Tensor k, Tensor v, Tensor? mask, float sm_scale, float masked_value) -> Tensor",
 )
 
-_choice: dict = {}  # (shapes, strides, dtypes, mask layout, device) -> True: this kernel, False: PyTorch's SDPA
+_choice: dict = {}  # (layouts with the KV length bucketed, mask value, device) -> True: this kernel, False: SDPA
+_CHOICE_MAX = 4096
 
 
-def _layout(t):
-    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+def _layout(t, kv_len: int):
+    """A tensor's layout for the choice, with the KV length (the last dim of a mask, dim 2 of K and V) in its
+    power-of-two bucket: a cache that grows by a token a step would otherwise be timed again every step."""
+    if t is None:
+        return None
+    shape = tuple(next_power_of_2(d) if d == kv_len else d for d in t.shape)
+    return shape, t.stride(-1), t.is_contiguous(), t.dtype
 
 
 def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
     """Whether this kernel beats PyTorch's SDPA here: both timed on the first call of a shape (GPU time, K
-    / V out of L2, as a decode step reads them), the answer kept per shape and device. While a CUDA graph
-    is captured nothing can be timed: a shape not yet measured runs PyTorch's SDPA (never slower than the
-    graph the rewrite replaced)."""
-    key = (_layout(q), _layout(k), _layout(v), _layout(mask), masked_value, q.device)
+    / V out of L2, as a decode step reads them), the answer kept per shape class (the KV length's power-of-two
+    bucket) and device. While a CUDA graph is captured nothing can be timed: a shape not yet measured runs
+    PyTorch's SDPA (never slower than the graph the rewrite replaced)."""
+    S = k.shape[2]
+    key = (_layout(q, -1), _layout(k, S), _layout(v, S), _layout(mask, S), masked_value, q.device)
     if key in _choice:
         return _choice[key]
     if torch.cuda.is_current_stream_capturing():
@@ -406,6 +414,8 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
 
     ours = _gpu_time(lambda: _launch(q, k, v, mask, sm_scale, masked_value), device=q.device)
     theirs = _gpu_time(lambda: torch_attention(q, k, v, mask, sm_scale, masked_value), device=q.device)
+    if len(_choice) >= _CHOICE_MAX:
+        _choice.clear()
     _choice[key] = ours < theirs
     return _choice[key]
 
