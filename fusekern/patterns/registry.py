@@ -356,7 +356,8 @@ def _add(what: str, p: "Pattern | GraphRewrite", validate_fn: Callable | None = 
         load_patterns()
     with _registry_lock:
         if p.name in _patterns:
-            raise PatternError(f"{what} {p.name!r}: a pattern of that name is already registered")
+            raise PatternError(f"{what} {p.name!r}: a pattern of that name is already registered (re-running a "
+                               f"registration: fusekern.unregister_pattern({p.name!r}) first)")
         if validate_fn is not None:
             validate_fn(p)
         _patterns[p.name] = p
@@ -496,7 +497,8 @@ def validate(p: Pattern) -> None:
             got = p.replacement(**args)
         except Exception as e:
             raise PatternError(f"pattern {p.name!r} [{variant.label()}]: replacement failed on the example "
-                               f"inputs: {type(e).__name__}: {e}") from e
+                               f"inputs (CPU tensors: a replacement that launches a GPU kernel needs a CPU path, "
+                               f"e.g. a PyTorch branch, or TRITON_INTERPRET=1 for Triton): {type(e).__name__}: {e}") from e
         if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
             raise PatternError(f"pattern {p.name!r}: search and replacement must each return one tensor")
         if want.shape != got.shape or want.dtype != got.dtype:
