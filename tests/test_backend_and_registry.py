@@ -1012,3 +1012,20 @@ def test_a_compile_with_no_pattern_leaves_stock_inductors_cache_alone(tmp_path):
     )
     runs = _processes_sharing_a_cache(tmp_path, code, [("fusekern",), ("inductor",)])
     assert all("OK True" in r.stdout for r in runs)
+
+
+def test_a_decline_names_the_variant_each_reason_comes_from():
+    """A pattern traced for fp32 and bf16: a 3-D fp32 input is declined by both variants for different reasons;
+    unnamed, "x is torch.float32, the pattern's spec torch.bfloat16" read as if fp32 were not allowed."""
+    name = "user_scaled_relu_two_dtypes"
+    fusekern.register_pattern(name, lambda x, s: torch.relu(x) * s, lambda x, s: torch.clamp_min(x, 0.0) * s,
+                              inputs=dict(x=fusekern.T("M", "N", dtype="act"), s=fusekern.T("N", dtype="act")),
+                              dtypes={"act": (torch.float32, torch.bfloat16)})
+    try:
+        fn = lambda x, s: torch.relu(x) * s + 1  # noqa: E731
+        assert_compiled(fn, (torch.randn(2, 4, 16), torch.randn(16)), fired={}, options={"fusekern.enable": [name]})
+        reasons = [r.reason for r in fusekern.match_report().rejections() if r.pattern == name]
+        assert any("[act=float32,batch=0] x has 3 dims" in r and "[act=bfloat16,batch=0] x is torch.float32" in r
+                   for r in reasons), reasons
+    finally:
+        fusekern.unregister_pattern(name)

@@ -144,9 +144,9 @@ def spec_mismatch(inputs: Mapping[str, TensorSpec], dtypes: Mapping[str, tuple[t
         why = _variant_mismatch(inputs, variant, values)
         if why is None:
             break
-        reasons.append(why)
+        reasons.append(f"[{variant.label()}] {why}")  # (named: one variant's reason alone reads as the only rule)
     else:
-        return "no traced variant fits: " + "; ".join(dict.fromkeys(reasons))
+        return "no traced variant fits: " + "; ".join(reasons)
     sizes: dict = {}
     for name, spec in inputs.items():
         t = values[name]
