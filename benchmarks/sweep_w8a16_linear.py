@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.testing
 
-from bench_common import floor_bandwidth, warm_up_clocks, write_csv
+from bench_common import floor_bandwidth, versions, warm_up_clocks, write_csv
 from fusekern.kernels import w8a16_linear as k
 from fusekern.testing import rel_err
 
@@ -46,6 +46,7 @@ def main():
     dev = "cuda"
     rows = []
     warm_up_clocks(dev)
+    info = versions()  # (the GPU, versions, git sha and floor bandwidth on every row)
     for shape in args.shapes.split(","):
         M, N, K = map(int, shape.split("x"))
         torch.manual_seed(0)
@@ -69,7 +70,8 @@ def main():
             us = triton.testing.do_bench(
                 lambda: k.w8a16_linear_triton(x, w, s, None, torch.bfloat16, config=cfg),
                 warmup=10, rep=50, return_mode="median") * 1e3
-            rows.append(dict(shape=shape, config=str(cfg), us=round(us, 2), floor_us=round(floor_us, 2), rel_err=err))
+            rows.append(dict(shape=shape, config=str(cfg), us=round(us, 2), floor_us=round(floor_us, 2), rel_err=err,
+                             **info))
             if best is None or us < best[0]:
                 best = (us, cfg)
         wb = w.to(torch.bfloat16)

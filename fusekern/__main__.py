@@ -22,8 +22,10 @@ def _check(args) -> int:
             print(f"--import {module}: {e}", file=sys.stderr)
             return 2
     patterns = [p for p in all_patterns() if not args.pattern or p.name in args.pattern]
-    if not patterns:
-        print(f"no pattern matches {args.pattern}", file=sys.stderr)
+    unknown = sorted(set(args.pattern or ()) - {p.name for p in patterns})
+    if unknown:
+        print(f"no pattern named {', '.join(unknown)}; registered: {', '.join(p.name for p in all_patterns())}",
+              file=sys.stderr)
         return 2
     # worst err: the replacement's relative error against float64 in the case nearest its tolerance; search err:
     # the original graph's own error in that case (how much of the difference the rewrite did not add)

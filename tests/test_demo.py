@@ -57,3 +57,11 @@ def test_cli_refuses_bad_numbers_before_compiling(argv, message, capsys):
 def test_demo_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         demo.main(**{"device": "cpu", **kwargs})
+
+
+def test_check_names_an_unknown_pattern_and_lists_the_registered(capsys):
+    from fusekern.__main__ import main
+
+    assert main(["check", "--pattern", "w8a16_linear_scale", "--pattern", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "no pattern named nosuch" in err and "w8a16_linear_scale" in err
