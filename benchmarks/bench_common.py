@@ -113,14 +113,16 @@ def per_call_us(f, args, calls: int, warmup: int = 0) -> float:
 
 def git_sha() -> str:
     """The commit measured: $FUSEKERN_GIT_SHA (the device copy has no .git) or the HEAD of this checkout (the
-    benchmarks' own, whatever the working directory), with ``+dirty`` where tracked files differ from it."""
+    benchmarks' own, whatever the working directory), with ``+dirty`` where tracked code differs from it (not the
+    results: a script writing its committed CSV would otherwise mark its own rows dirty)."""
     if os.environ.get("FUSEKERN_GIT_SHA"):
         return os.environ["FUSEKERN_GIT_SHA"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ":(top,exclude)benchmarks/results"], cwd=here,
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except Exception:

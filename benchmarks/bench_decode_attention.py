@@ -9,7 +9,7 @@
 is at position 8 (a static cache: the mask keeps 9 of 256 tokens), also timed at 216. ``long``: B = 1
 and 8 over 8k tokens and B = 32 over 2k, no mask, and B = 8 at position 4096 of 8k. Times, in one run: eager, stock torch.compile default,
 torch.compile(backend="fusekern") (the ``decode_attention`` rewrite feeds the kernel), the kernel called
-directly (and at each ``--splits``), and the floor (K + V bytes / 4.3 TB/s). ``fusekern`` runs whichever of
+directly (and at each ``--splits``), and the floor (K + V bytes / floor bandwidth). ``fusekern`` runs whichever of
 the kernel and PyTorch's SDPA the op measured faster for the shape on its first call. Medians of
 triton.testing.do_bench and do_bench_cudagraph; each variant first checked against the float64 reference.
 """

@@ -13,7 +13,7 @@ Each zoo decode (fusekern/testing/decode_zoo.py) as the user wrote it, timed as:
 torch.compile (default, static shapes); fusekern (``backend="fusekern"``: the generated kernels, the
 path and tile measured on the first call). Each compiled function is timed twice: ``call`` (do_bench: what a Python caller pays, launch
 overhead included) and ``graph`` (do_bench_cudagraph: GPU time, as under CUDA graphs). The floor is the
-bytes that must move at 4.3 TB/s (weights + activations + output) or the bf16 dense peak (989 TF/s),
+bytes that must move at the floor bandwidth (weights + activations + output) or the bf16 dense peak (989 TF/s),
 whichever is larger. Medians, one run; rows are written as they are measured; each fusekern output is
 checked against eager. ``kernel``: the config(s) the dispatcher measured fastest on that first call
 (``StockConfig()``: stock inductor's code for the decode, the fallback); ``tuner_kernel_us`` /

@@ -103,7 +103,7 @@ def main():
                     if not any(get_pattern(p).family == "dequant_matmul" for p in fired):
                         raise RuntimeError(f"{name} fused no quantized linear at B={B} ({scope}): it would time "
                                            f"stock's graph. Fired: {dict(fired)}")
-                if err > TOLERANCE:
+                if err > TOLERANCE and name.startswith("fusekern"):  # (stock's own error is reported, not fatal)
                     raise RuntimeError(f"{name} at B={B} ({scope}) differs from eager: rel_err {err:.1e} > {TOLERANCE}")
                 row = dict(weights=args.weights, scope=scope, batch=B, impl=name, us=round(us, 1),
                            us_cudagraph=round(us_cg, 1), floor_us=round(floor, 1),

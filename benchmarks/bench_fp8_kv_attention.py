@@ -4,8 +4,9 @@
 
 B = 8, 32 query heads, 8 KV heads, d = 128, 8k context (and --contexts). Times, in one run: eager (the
 plain-PyTorch form: dequantize K and V, repeat for GQA, softmax(q k^T c) v), stock torch.compile default,
-torch.compile(backend="fusekern") (the rewrite feeds the kernel), the kernel called directly, and the floor (FP8 K + V + K-scale bytes / 4.3 TB/s). Median of
-triton.testing.do_bench; each variant first checked against the float64 reference.
+torch.compile(backend="fusekern") (the rewrite feeds the kernel), the kernel called directly, and the floor
+(FP8 K + V + K-scale bytes / floor bandwidth). Median of triton.testing.do_bench; each variant first checked
+against the float64 reference.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ and without CUDA graphs), fusekern, and the kernel alone, V = 128256, bf16 logit
     python benchmarks/bench_greedy_mask.py [--csv benchmarks/results/h200/greedy_mask.csv] [--batches 1,32,256]
 
 Medians of ``triton.testing.do_bench`` (and ``do_bench_cudagraph`` for the graph columns); every variant's
-tokens are checked against eager's (they must be equal). The floor reads the logits once at 4.3 TB/s.
+tokens are checked against eager's (they must be equal). The floor reads the logits once at the floor bandwidth.
 """
 from __future__ import annotations
 

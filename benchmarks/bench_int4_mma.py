@@ -8,7 +8,7 @@ Formats: GPTQ (int32 words, packed zeros) and two codes per byte with uint8 zero
 Per shape (N x K) and M: every config the dispatcher offers (``decode_mm.candidates``: GEMV tiles,
 swap-AB ``packed_dot`` tiles, ``int4_mma``, decode + cuBLAS), each checked against the float64 reference
 and timed in a CUDA graph (``do_bench_cudagraph``, median), and the one ``decode_mm.tuned_config`` picks
-(``chosen``). The floor moves the codes, zeros and scales once at 4.3 TB/s. (benchmarks/results/h200/
+(``chosen``). The floor moves the codes, zeros and scales at the floor bandwidth. (benchmarks/results/h200/
 gptq_mma.csv is this script's GPTQ run when it was bench_gptq_mma.py and the kernel gptq_mma.)
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ Variants: eager, stock torch.compile (default and reduce-overhead = CUDA graphs)
 ``*_graph``: the default-mode compiled function captured whole in one CUDA graph and replayed by
 ``do_bench_cudagraph`` (GPU time only: what a serving loop that graphs its decode step sees; the
 reduce-overhead rows add cudagraph-tree bookkeeping on the CPU), the fused kernel alone (in a CUDA graph)
-and the floor (the logits read once at 4.3 TB/s). Median of triton.testing.do_bench, all variants in the same run; a row is
+and the floor (the logits read once). Median of triton.testing.do_bench, all variants in the same run; a row is
 written to the CSV as soon as it is measured. Every variant's tokens are checked against the kept set.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Each case times, in one run: eager (the user's graph), stock torch.compile (default; max-autotune-no-
 cudagraphs with --autotune), torch.compile(backend="fusekern"), the fused op's two kernels called directly
 (CuTe DSL and Triton), the vendor reference where one exists (torch._scaled_mm, cuBLAS mm alone), and the
-floor (bytes / 4.3 TB/s or FLOPs / peak). Medians of triton.testing.do_bench and of do_bench_cudagraph (GPU
+floor (bytes / floor bandwidth or FLOPs / peak). Medians of triton.testing.do_bench and of do_bench_cudagraph (GPU
 time alone); every variant is first checked
 against a float32 reference of the same math (relative error in the CSV).
 """

@@ -119,12 +119,12 @@ def decode_mm_shapes(rows: list[dict]) -> list[str]:
            "fusekern + CUDA graph | × floor | × faster than stock (graphs) |" + extra,
            "|---" * (13 if auto else 11) + "|"]
     for r in rows:
-        g, sg, fl = float(r["fusekern_graph_us"]), float(r["stock_graph_us"]), float(r["floor_us"])
+        g, sg, fl = _float(r["fusekern_graph_us"]), _float(r["stock_graph_us"]), float(r["floor_us"])
         line = (f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
                 f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
                 f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
         if auto:
-            ag = float(r["stock_autotune_graph_us"])
+            ag = _float(r["stock_autotune_graph_us"])
             line += f" {_num(r['stock_autotune_graph_us'])} | {ag / g:.1f} |"
         out.append(line)
     return out
@@ -136,13 +136,15 @@ def decode_mm_autotune(rows: list[dict]) -> list[str]:
     out = ["| format | N x K | M | eager | stock compile + CUDA graph | max-autotune + CUDA graph | fusekern | "
            "fusekern + CUDA graph | bf16 cuBLAS mm | × cuBLAS (fusekern, graph) |", "|---" * 10 + "|"]
     for r in rows:
-        # graph against graph where the run timed cuBLAS in one (older CSVs: its plain call)
-        g, cb = _float(r["fusekern_graph_us"]), _float(r.get("cublas_bf16_graph_us") or r["cublas_bf16_call_us"])
+        # graph against graph where the run timed cuBLAS in one (older CSVs, or a failed capture: its plain call)
+        cublas = r.get("cublas_bf16_graph_us", "")
+        cublas = cublas if not math.isnan(_float(cublas or "nan")) else r["cublas_bf16_call_us"]
+        g, cb = _float(r["fusekern_graph_us"]), _float(cublas)
         auto = _num(r["stock_autotune_graph_us"]) if r.get("stock_autotune_graph_us") else "–"
         out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['eager_call_us'])} | "
                    f"{_num(r['stock_graph_us'])} | {auto} | "
                    f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | "
-                   f"{_num(r['cublas_bf16_call_us'])} | {g / cb:.2f} |")
+                   f"{_num(cublas)} | {g / cb:.2f} |")
     return out
 
 

@@ -63,3 +63,11 @@ def test_decode_mm_autotune_compares_graph_with_graph_and_survives_a_failed_capt
     assert cells["× cuBLAS (fusekern, graph)"] == f"{445.5 / 405.0:.2f}"  # not over cuBLAS's plain call (385.2)
     failed = rt.decode_mm_autotune([dict(row, stock_graph_us="n/a (RuntimeError)")])[2]
     assert "| n/a |" in failed
+
+
+def test_decode_mm_shapes_survives_a_failed_capture():
+    row = dict(format="gptq", N="8192", K="8192", M="16", floor_us="8.0", eager_call_us="1000.0", stock_call_us="120.0",
+               stock_graph_us="110.0", fusekern_call_us="40.0", fusekern_graph_us="n/a (RuntimeError)",
+               stock_autotune_graph_us="n/a (RuntimeError)")
+    line = rt.decode_mm_shapes([row])[2]
+    assert line.count("n/a") == 2 and "nan" in line  # the cells say so; the ratios are not numbers

@@ -93,16 +93,18 @@ def test_fp32_bias_and_output():
 
 
 @pytest.mark.parametrize("scale", [600.0, 2e-7])
-@pytest.mark.parametrize("path", ["dequant", "gemm"])
+@pytest.mark.parametrize("path", ["dequant", "gemm", "auto"])
 def test_fp16_wider_result_keeps_its_range(path, scale):
     """An fp32 result from fp16 x (a scale after the matmul): neither w * s nor x @ w may pass through fp16 on the
-    way. The large-M path rounded w * s to fp16 (inf at s = 600, subnormals at 2e-7) and the product too."""
-    M, N, K = 33, 40, 64
+    way. The large-M path rounded w * s to fp16 (inf at s = 600, subnormals at 2e-7) and the product too; the
+    automatic choice (M = 300 picks that path otherwise) now takes the tiled kernel there."""
+    M, N, K = (300 if path == "auto" else 33), 40, 64
+    assert path != "auto" or isinstance(k.select_config(M, N, K), k.DequantConfig)
     x, w, _, b = make(M, N, K, torch.float16, seed=21, bias_dtype=torch.float32)
     x = x * 4  # with s = 600 the outputs pass fp16's 65504 by far
     s = torch.full((N,), scale, device=DEVICE) * (1 + torch.rand(N, device=DEVICE))
     out = torch.full((M, N), float("nan"), device=DEVICE, dtype=torch.float32)
-    k.w8a16_linear_triton(x, w, s, b * scale, torch.float32, config=PATHS[path], out=out)
+    k.w8a16_linear_triton(x, w, s, b * scale, torch.float32, config=PATHS.get(path), out=out)
     ref = k.w8a16_linear_reference(x.cpu(), w.cpu(), s.cpu(), (b * scale).cpu(), torch.float64)
     assert out.isfinite().all()
     assert rel_err(out, ref) < 1e-5

@@ -127,8 +127,8 @@ def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n
     kwargs = dict(row=row, col=col, bias=bias, residual=residual, out_dtype=out_dtype, a_block=a_block, b_block=b_block)
     if mod.supports(a, b, **kwargs) is not None:
         return None
-    key = (tuple(a.shape), b.shape[0], a.dtype, out_dtype, a.device, *(t is not None for t in
-                                                                      (row, col, bias, residual, a_block)))
+    key = (next_power_of_2(a.shape[0]), *b.shape, a.dtype, out_dtype, a.device,  # (per bucket, as the choice)
+           *(t is not None for t in (row, col, bias, residual, a_block)))
     if key in _FAILED:
         return None
     try:

@@ -202,8 +202,10 @@ def _splitk_epilogue_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    ws = ws_ptr  # advanced by M * N per split: a 64-bit pointer, where i * M * N would be formed in 32 bits
     for i in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + i * M * N + offs, mask=mask, other=0.0)
+        acc += tl.load(ws + offs, mask=mask, other=0.0)
+        ws += M * N
     n = offs % N
     m = offs // N
     out = acc * tl.load(scale_ptr + n * stride_s, mask=mask, other=0.0).to(tl.float32)
@@ -373,6 +375,8 @@ def w8a16_linear_triton(
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if config is None and M > 0 and N > 0 and K > 0:
         config = select_config(M, N, K, sm_count(x.device))
+        if isinstance(config, DequantConfig) and _fp16_wider(x, out_dtype):  # (see _dequant_then_mm)
+            config = select_config(GEMM_M_MAX, N, K, sm_count(x.device))
     if isinstance(config, DequantConfig):
         # cuBLAS allocates its own result: copy only when the caller asked for a buffer.
         result = _dequant_then_mm(x, w, scale, bias, out_dtype, config, launch)
@@ -416,21 +420,22 @@ def w8a16_linear_triton(
     return out
 
 
+def _fp16_wider(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """fp16 activations and a result wider than fp16: no fp16 intermediate may stand between them."""
+    return x.dtype == torch.float16 and out_dtype.itemsize > 2
+
+
 def _dequant_then_mm(x, w, scale, bias, out_dtype, config: DequantConfig, launch) -> torch.Tensor:
     """Large M: ``w * scale`` rounded once to x's dtype, then one cuBLAS GEMM (bias in its epilogue).
 
-    Where the result is wider than x's dtype (an fp32 scale or bias after the matmul), rounding ``w * s`` or
-    the product to x's dtype would lose what the op promises: fp16 overflows past 65504 (a scale above 1,
-    large outputs) and flushes tiny scales to subnormals. There the weight goes in unscaled (exact: int8 fits
-    fp16 and bf16), the GEMM writes fp32, and scale and bias follow in fp32, as the other paths do.
+    fp16 x with a wider result (an fp32 scale or bias after the matmul): rounding ``w * s`` or the product to
+    fp16 would lose what the op promises (inf past 65504 at a scale above 1 or large outputs, subnormals for tiny
+    scales). The automatic choice gives that case the tiled kernel instead (``_fp16_wider``); a caller who asks
+    for this path gets it in fp32 (exact, slow). ``torch.mm(..., out_dtype=torch.float32)`` would be the fast
+    form, but torch's fake-tensor support for it is recent (pytorch#159023), and this path is traced for inductor.
     """
-    if out_dtype.itemsize > x.dtype.itemsize:
-        w_exact = w.to(x.dtype)
-        if x.is_cuda:
-            acc = torch.mm(x, w_exact.t(), out_dtype=torch.float32)  # fp32 accumulate and write
-        else:  # (the CPU build has no mm with out_dtype: the interpreter's test path)
-            acc = torch.mm(x.float(), w_exact.float().t())
-        out = acc * scale.float()
+    if _fp16_wider(x, out_dtype):
+        out = torch.mm(x.float(), w.to(torch.float32).t()) * scale.float()
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype)

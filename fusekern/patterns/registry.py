@@ -498,7 +498,8 @@ def validate(p: Pattern) -> None:
         except Exception as e:
             raise PatternError(f"pattern {p.name!r} [{variant.label()}]: replacement failed on the example "
                                f"inputs (CPU tensors: a replacement that launches a GPU kernel needs a CPU path, "
-                               f"e.g. a PyTorch branch, or TRITON_INTERPRET=1 for Triton): {type(e).__name__}: {e}") from e
+                               f"e.g. a PyTorch branch, or TRITON_INTERPRET=1 for Triton): "
+                               f"{type(e).__name__}: {e}") from e
         if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
             raise PatternError(f"pattern {p.name!r}: search and replacement must each return one tensor")
         if want.shape != got.shape or want.dtype != got.dtype:
