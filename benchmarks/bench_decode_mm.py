@@ -78,8 +78,7 @@ def main():
             tuned_before = set(dm._tuned)
             fusekern.reset_match_report()
             got = fk(x, *ws)
-            report = fusekern.match_report()
-            fired = report.fired() + report.cached_fired
+            fired = fusekern.match_report().fired(cached=True)
             if not fired.get("decode_matmul"):  # the fusekern columns would time stock's graph
                 raise RuntimeError(f"{name} {N}x{K} M={M}: decode_matmul did not fire ({dict(fired)})")
             chosen = [repr(dm._tuned[k]) for k in dm._tuned if k not in tuned_before] or [  # else tuned before:

@@ -98,8 +98,7 @@ def main():
                     us = triton.testing.do_bench(lambda: f(*fargs), return_mode="median") * 1e3
                     us_cg = triton.testing.do_bench_cudagraph(lambda: f(*fargs), return_mode="median") * 1e3
                 if name == "fusekern":  # (an ablation may switch off what fuses the linears)
-                    report = fusekern.match_report()
-                    fired = report.fired() + report.cached_fired
+                    fired = fusekern.match_report().fired(cached=True)
                     if not any(get_pattern(p).family == "dequant_matmul" for p in fired):
                         raise RuntimeError(f"{name} fused no quantized linear at B={B} ({scope}): it would time "
                                            f"stock's graph. Fired: {dict(fired)}")

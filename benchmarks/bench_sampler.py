@@ -117,8 +117,7 @@ def main():
                       f"{'ok' if ok else 'WRONG ' + err}", flush=True)
                 if args.csv:
                     write_csv(args.csv, rows)
-            report = fusekern.match_report()  # (with what graphs from inductor's FX cache fired when compiled)
-            fired = dict(report.fired() + report.cached_fired)
+            fired = dict(fusekern.match_report().fired(cached=True))
             print(f"   fusekern fired: {fired}", flush=True)
             if not fired:  # its rows above then timed the graph as written: fail the run, loudly
                 raise RuntimeError(f"fusekern fused nothing in the {style} chain at B={B}")

@@ -12,6 +12,8 @@ import csv
 import math
 import os
 
+from results_tables import csv_float  # (NaN, no bar, where a run wrote "n/a (...)")
+
 
 def _bars(ax, groups: list[str], series: dict[str, list[float]], floors: list[float] | None, title: str):
     width = 0.8 / max(len(series), 1)
@@ -27,14 +29,6 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], floors: list[fl
     ax.legend(fontsize=6)
 
 
-def _float(v: str) -> float:
-    """A CSV number, NaN (no bar) where the run wrote why it has none ("n/a (...)")."""
-    try:
-        return float(v)
-    except ValueError:
-        return math.nan
-
-
 def _rows(path):
     with open(path) as f:
         return list(csv.DictReader(f))
@@ -43,7 +37,7 @@ def _rows(path):
 def plot_decode_mm(rows, ax):
     groups = [f"{r['format']} M={r['M']}" for r in rows]
     cols = {"eager": "eager_call_us", "stock + CUDA graph": "stock_graph_us", "fusekern + CUDA graph": "fusekern_graph_us"}
-    series = {k: [_float(r[c]) for r in rows] for k, c in cols.items()}
+    series = {k: [csv_float(r[c]) for r in rows] for k, c in cols.items()}
     _bars(ax, groups, series, [float(r["floor_us"]) for r in rows], "structural dequant -> matmul, N = K = 8192")
 
 
@@ -54,7 +48,7 @@ def plot_by_variant(rows, ax, key, variants, title):
         if g not in by:
             groups.append(g)
             by[g] = {"floor": float(r["floor_us"])}
-        by[g][r["variant"]] = _float(r["median_us"])
+        by[g][r["variant"]] = csv_float(r["median_us"])
     series = {v: [by[g].get(v, float("nan")) for g in groups] for v in variants}
     _bars(ax, groups, series, [by[g]["floor"] for g in groups], title)
 
@@ -66,7 +60,7 @@ def plot_e2e_decode(rows, ax):
         if g not in by:
             groups.append(g)
             by[g] = {"floor": float(r["floor_us"])}
-        by[g][r["impl"]] = _float(r["us_cudagraph"])
+        by[g][r["impl"]] = csv_float(r["us_cudagraph"])
     series = {f"{v} + CUDA graph": [by[g].get(v, float("nan")) for g in groups] for v in ("eager", "stock", "fusekern")}
     _bars(ax, groups, series, [by[g]["floor"] for g in groups], "decode step, Llama-3-8B-shaped layers, W4A16")
 

@@ -29,8 +29,8 @@ def _num(v: str) -> str:
     return "–" if math.isnan(x) else f"{x:.1f}"
 
 
-def _float(v: str) -> float:
-    """A CSV number, NaN where the run wrote why it has none ("n/a (...)")."""
+def csv_float(v: str) -> float:
+    """A CSV number, NaN where the run wrote why it has none ("n/a (...)") or nothing."""
     try:
         return float(v)
     except ValueError:
@@ -119,12 +119,12 @@ def decode_mm_shapes(rows: list[dict]) -> list[str]:
            "fusekern + CUDA graph | × floor | × faster than stock (graphs) |" + extra,
            "|---" * (13 if auto else 11) + "|"]
     for r in rows:
-        g, sg, fl = _float(r["fusekern_graph_us"]), _float(r["stock_graph_us"]), float(r["floor_us"])
+        g, sg, fl = csv_float(r["fusekern_graph_us"]), csv_float(r["stock_graph_us"]), float(r["floor_us"])
         line = (f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['floor_us'])} | "
                 f"{_num(r['eager_call_us'])} | {_num(r['stock_call_us'])} | {_num(r['stock_graph_us'])} | "
                 f"{_num(r['fusekern_call_us'])} | {_num(r['fusekern_graph_us'])} | {g / fl:.2f} | {sg / g:.1f} |")
         if auto:
-            ag = _float(r["stock_autotune_graph_us"])
+            ag = csv_float(r["stock_autotune_graph_us"])
             line += f" {_num(r['stock_autotune_graph_us'])} | {ag / g:.1f} |"
         out.append(line)
     return out
@@ -137,9 +137,9 @@ def decode_mm_autotune(rows: list[dict]) -> list[str]:
            "fusekern + CUDA graph | bf16 cuBLAS mm | × cuBLAS (fusekern, graph) |", "|---" * 10 + "|"]
     for r in rows:
         # graph against graph where the run timed cuBLAS in one (older CSVs, or a failed capture: its plain call)
-        cublas = r.get("cublas_bf16_graph_us", "")
-        cublas = cublas if not math.isnan(_float(cublas or "nan")) else r["cublas_bf16_call_us"]
-        g, cb = _float(r["fusekern_graph_us"]), _float(cublas)
+        graph = csv_float(r.get("cublas_bf16_graph_us", ""))
+        cublas = r["cublas_bf16_call_us"] if math.isnan(graph) else r["cublas_bf16_graph_us"]
+        g, cb = csv_float(r["fusekern_graph_us"]), csv_float(cublas)
         auto = _num(r["stock_autotune_graph_us"]) if r.get("stock_autotune_graph_us") else "–"
         out.append(f"| {r['format']} | {r['N']} x {r['K']} | {r['M']} | {_num(r['eager_call_us'])} | "
                    f"{_num(r['stock_graph_us'])} | {auto} | "

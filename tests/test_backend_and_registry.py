@@ -1029,3 +1029,15 @@ def test_a_decline_names_the_variant_each_reason_comes_from():
                    for r in reasons), reasons
     finally:
         fusekern.unregister_pattern(name)
+
+
+def test_fired_with_cached_adds_what_cache_loaded_graphs_fired_when_compiled():
+    from fusekern.compiler_pass.report import GraphReport, MatchReport
+
+    g = GraphReport(graph_id=1, stage="post_grad")
+    g.fired["w8a16_linear_scale"] += 1
+    r = MatchReport(graphs=[g], cache_hits=1)
+    r.cached_fired["w8a16_linear_scale"] += 2
+    r.cached_fired["sample"] += 1
+    assert r.fired() == {"w8a16_linear_scale": 1}
+    assert r.fired(cached=True) == {"w8a16_linear_scale": 3, "sample": 1}

@@ -264,6 +264,8 @@ def test_kernel_choice_thresholds_and_measured_band(monkeypatch):
     assert len(calls) == 3  # each key timed once
     a = torch.empty(2048, 64, device="meta", dtype=fp8)
     assert not cd.prefers_cute(a, torch.empty(64, 64, device="meta", dtype=torch.bfloat16))  # mixed dtypes
+    big = torch.empty(8192, 64, device="meta", dtype=fp8)
+    assert cd.prefers_cute(big, big, True) and not cd.prefers_cute(big, big, True, (1, 128))  # 128 x 128 blocks only
     # A prefill of each new length in the band reuses its power-of-two bucket's measurement: no timing per length
     assert all(cd.choice(m, 8192, 8192, fp8, False, cuda, timer) for m in range(1025, 2049, 37))
     assert len(calls) == 3
@@ -294,7 +296,7 @@ def test_a_failed_timing_or_cute_launch_falls_back_to_triton(monkeypatch):
             raise RuntimeError("launch failed (test)")
 
     monkeypatch.setattr(cd, "_module", lambda: Broken())
-    monkeypatch.setattr(cd, "prefers_cute", lambda a, b, block=False: True)
+    monkeypatch.setattr(cd, "prefers_cute", lambda a, b, block=False, groups=(128, 128): True)
     a, b = torch.empty(8192, 64, dtype=fp8), torch.empty(64, 64, dtype=fp8)
     args = (a, b, None, None, None, None, None, None, 0, 0, torch.bfloat16)
     assert cd.try_cute_scaled_mm(*args) is None and cd.try_cute_scaled_mm(*args) is None

@@ -51,11 +51,14 @@ class MatchReport:
     cached_fired: collections.Counter = field(default_factory=collections.Counter)  # in them, when compiled
     cached_unknown: int = 0  # cache hits with no record of what fired (compiled before fusekern kept one)
 
-    def fired(self) -> collections.Counter:
-        """Matches per pattern, summed over graphs."""
+    def fired(self, cached: bool = False) -> collections.Counter:
+        """Matches per pattern, summed over graphs; ``cached``: with what the graphs loaded from inductor's FX
+        graph cache fired when they were compiled (a rerun of a script takes its graphs from there)."""
         total: collections.Counter = collections.Counter()
         for g in self.graphs:
             total.update(g.fired)
+        if cached:
+            total.update(self.cached_fired)
         return total
 
     def notes(self) -> list[Rejection]:

@@ -43,10 +43,11 @@ _CHOSEN: dict[tuple, bool] = {}
 _FAILED: set[tuple] = set()  # shapes whose CuTe compile or launch raised: Triton from then on
 
 
-def prefers_cute(a: torch.Tensor, b: torch.Tensor, block: bool = False) -> bool:
-    """Whether the CuTe kernel should take ``a @ b.T`` (block: 128 x 128 block scales). Real or fake
-    operands: only their shapes, dtypes and device are read."""
-    if a.dtype != b.dtype:
+def prefers_cute(a: torch.Tensor, b: torch.Tensor, block: bool = False, groups: tuple = (128, 128)) -> bool:
+    """Whether the CuTe kernel should take ``a @ b.T`` (block: block scales in ``groups`` of (N, K), which the
+    kernel takes at 128 x 128 only: other groups are never timed for it). Real or fake operands: only their
+    shapes, dtypes and device are read."""
+    if a.dtype != b.dtype or (block and tuple(groups) != (128, 128)):
         return False
     M, N, K = a.shape[0], b.shape[0], a.shape[1]
     if not all(isinstance(d, int) for d in (M, N, K)):  # symbolic sizes: the threshold, without a guard
@@ -117,9 +118,7 @@ def _cute_is_faster(M: int, N: int, K: int, dtype: torch.dtype, block: bool, dev
 def try_cute_scaled_mm(a, b, row, col, bias, residual, a_block, b_block, group_n, group_k, out_dtype):
     """The CuTe kernel's result, or None when it does not apply or its compile or launch raised (the caller
     then uses Triton; a failure is logged once and that shape stays on Triton)."""
-    if a_block is not None and (group_n, group_k) != (128, 128):  # (before any timing of a case it cannot take)
-        return None
-    if not prefers_cute(a, b, a_block is not None):
+    if not prefers_cute(a, b, a_block is not None, (group_n, group_k)):
         return None
     mod = _module()
     if mod is None:

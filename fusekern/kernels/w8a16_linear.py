@@ -374,9 +374,10 @@ def w8a16_linear_triton(
         raise ValueError(f"w8a16_linear_triton: out must be {(M, N)} {out_dtype} on {x.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if config is None and M > 0 and N > 0 and K > 0:
-        config = select_config(M, N, K, sm_count(x.device))
+        sms = sm_count(x.device)
+        config = select_config(M, N, K, sms)
         if isinstance(config, DequantConfig) and _fp16_wider(x, out_dtype):  # (see _dequant_then_mm)
-            config = select_config(GEMM_M_MAX, N, K, sm_count(x.device))
+            config = select_config(GEMM_M_MAX, N, K, sms)
     if isinstance(config, DequantConfig):
         # cuBLAS allocates its own result: copy only when the caller asked for a buffer.
         result = _dequant_then_mm(x, w, scale, bias, out_dtype, config, launch)

@@ -654,10 +654,8 @@ def _replace(graph: Graph, p: Plan) -> str:
             b_block = emit(aten.full.default, [1, groups], 1.0, **ones)
             group_n = int(N)  # static: plan() declines a symbolic N here
     args = (a_in, b_in, row, col, bias, residual, a_block, b_block, group_n, group_k, p.out_dtype)
-    # (the CuTe kernel takes block scales of 128 x 128 only: other groups are not timed for it)
-    cute_may_take = a_block is None or (group_n, group_k) == (128, 128)
-    if mv.device.type == "cuda" and isinstance(M, int) and not (
-            cute_may_take and cute_dispatch.prefers_cute(_val(a_in), _val(b_in), a_block is not None)):
+    if mv.device.type == "cuda" and isinstance(M, int) and not cute_dispatch.prefers_cute(
+            _val(a_in), _val(b_in), a_block is not None, (group_n, group_k)):
         # M is fixed in this graph and the Triton kernel takes it: inductor emits the launch itself.
         fused = emit.inline(kernel.traced_for_inductor, *args)
     else:
