@@ -498,7 +498,11 @@ def main():
         plain = None
         for cfg in dispatcher_configs(shape, sms):
             shape.run_config(cfg)
-        wp, s, z = shape.leaves
+        G = shape.K // GROUP
+        idx = {name: next(i for i, t in enumerate(shape.leaves) if t.dtype == dt and tuple(t.shape) == shp)
+               for name, dt, shp in (("wp", torch.uint8, (shape.N, shape.K // 2)), ("s", torch.bfloat16, (shape.N, G)),
+                                     ("z", torch.uint8, (shape.N, G)))}
+        wp, s, z = (shape.leaves[idx[k]] for k in ("wp", "s", "z"))
         ref = reference(shape.x, wp, s, z)
         for cfg in CONFIGS:
             try:
@@ -513,7 +517,7 @@ def main():
                 def call(i, cfg=cfg):
                     w = shape.weights[i]
                     o = torch.empty(1, shape.N, dtype=torch.bfloat16, device="cuda")
-                    return lambda: int4_ws_gemv(shape.x, w[0], w[1], w[2], cfg, out=o)
+                    return lambda: int4_ws_gemv(shape.x, w[idx["wp"]], w[idx["s"]], w[idx["z"]], cfg, out=o)
                 shape.timed("Int4WsGemv", str(cfg), err_s, call)
             except Exception as e:  # noqa: BLE001 - a config that does not build or fit
                 print(f"  {cfg}: n/a ({type(e).__name__}: {str(e)[:300]})", flush=True)
