@@ -64,6 +64,7 @@ class WsConfig:
         assert K % GROUP == 0 and G % self.GROUPS == 0, "K: whole stages of groups"
         assert self.k_parts * self.column_tiles == self.CONSUMERS and self.GROUPS % self.k_parts == 0
         assert G <= 256 and G % 16 == 0, "scales / zeros box: G <= 256, 16-byte rows of zeros"
+        assert self.BLOCK_N % 16 == 0 and self.BLOCK_N <= 256, "BLOCK_N: 16-column tiles, a TMA box <= 256 rows"
         assert self.CHAINS in (1, 2, 4) and self.GROUPS in (2, 4), "GROUPS: one 32- or 64-bit load of scales"
 
 
@@ -339,9 +340,9 @@ class Int4WsGemv:
                 sz_row1 = sz_row0 + 8 * G
                 sw0 = lds_words(s_base + sz_row0 * 2, cfg.GROUPS // 2)
                 sw1 = lds_words(s_base + sz_row1 * 2, cfg.GROUPS // 2)
-                zw0 = lds_words(z_base + sz_row0 - sz_row0 % 4, 1)
-                zw1 = lds_words(z_base + sz_row1 - sz_row1 % 4, 1)
-                zshift0 = sz_row0 % 4
+                zw0 = lds_words(z_base + (sz_row0 & -4), 1)
+                zw1 = lds_words(z_base + (sz_row1 & -4), 1)
+                zshift0 = sz_row0 & 3
                 for slot_j in cutlass.range_constexpr(cfg.GROUPS):
                     if kp == slot_j % KP:  # k parts take a stage's groups in turn (warp-uniform branch)
                         grp = st * cfg.GROUPS + slot_j
@@ -370,8 +371,10 @@ class Int4WsGemv:
                         z1 = cutlass.Float32((zw1[0] >> (8 * (zshift0 + slot_j))) & 0xFF)
                         acc0 = acc0 + s0 * (d0 - (z0 + 128.0) * sumx)
                         acc1 = acc1 + s1 * (d2 - (z1 + 128.0) * sumx)
+                cute.arch.sync_warp()  # every lane's reads done before lane 0 releases the stage
                 w_pipe.consumer_release(w_state)
                 w_state.advance()
+            cute.arch.sync_warp()
             sz_pipe.consumer_release(sz_state)
             sz_state.advance()
             if cutlass.const_expr(KP > 1):
@@ -434,13 +437,16 @@ def int4_ws_gemv(x, wp, s, z, cfg: WsConfig, out=None, ctas: int | None = None):
     assert x.shape == (1, K) and x.dtype == torch.bfloat16 and x.is_contiguous()
     assert s.dtype == torch.bfloat16 and z.dtype == torch.uint8 and s.shape == z.shape == (N, K // GROUP)
     assert wp.is_contiguous() and s.is_contiguous() and z.is_contiguous()
+    assert all(t.data_ptr() % 16 == 0 for t in (x, wp, s, z)), "16-byte aligned bases (TMA, ld.v4)"
+    assert all(t.device == x.device for t in (wp, s, z)) and x.device == torch.device("cuda", torch.cuda.current_device())
     fn, _ = build(cfg, K)
     if out is None:
         out = torch.empty(1, N, dtype=torch.bfloat16, device=x.device)
+    assert out.shape == (1, N) and out.dtype == torch.bfloat16 and out.is_contiguous() and out.device == x.device
     if ctas is None:
         ctas = ctas_for(cfg, N, K, torch.cuda.get_device_properties(x.device).multi_processor_count)
     p = lambda t, dt, al: make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=al)  # noqa: E731
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     fn(p(x, cutlass.BFloat16, 16), p(wp, cutlass.Uint8, 16), p(s, cutlass.BFloat16, 16), p(z, cutlass.Uint8, 16),
        p(out, cutlass.BFloat16, 2), cutlass.Int32(N), cutlass.Int32(ctas), stream)
     return out
