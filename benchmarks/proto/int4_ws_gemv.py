@@ -41,6 +41,7 @@ from cutlass.cutlass_dsl import T
 
 GROUP = 128  # k per group (scale and zero)
 GROUP_BYTES = GROUP // 2
+EVICT_FIRST_POLICY = 0x12F0000000000000  # the L2 cache-policy word CUTLASS's TMA uses for evict-first
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class WsConfig:
     GROUPS: int = 2  # groups of 128 k per pipeline stage
     STAGES: int = 8  # stages in the ring
     CHAINS: int = 2  # independent MMA accumulators per group (8 MMAs split into CHAINS chains)
+    EVICT_FIRST: bool = False  # the weights' TMA loads ask L2 to evict them first (read once per token)
 
     @property
     def column_tiles(self) -> int:
@@ -280,8 +282,13 @@ class Int4WsGemv:
                 w_pipe.producer_acquire(w_state)
                 bar = w_pipe.producer_get_barrier(w_state)
                 for j in cutlass.range_constexpr(cfg.GROUPS):
-                    cute.copy(tma_w, tWgW[(None, tile, st * cfg.GROUPS + j)],
-                              tWsW[(None, w_state.index * cfg.GROUPS + j)], tma_bar_ptr=bar)
+                    if cutlass.const_expr(cfg.EVICT_FIRST):
+                        cute.copy(tma_w, tWgW[(None, tile, st * cfg.GROUPS + j)],
+                                  tWsW[(None, w_state.index * cfg.GROUPS + j)], tma_bar_ptr=bar,
+                                  cache_policy=cutlass.Int64(EVICT_FIRST_POLICY))
+                    else:
+                        cute.copy(tma_w, tWgW[(None, tile, st * cfg.GROUPS + j)],
+                                  tWsW[(None, w_state.index * cfg.GROUPS + j)], tma_bar_ptr=bar)
                 w_pipe.producer_commit(w_state)
                 w_state.advance()
             tile += nblk
@@ -464,7 +471,8 @@ def reference(x, wp, s, z):
 
 CONFIGS = [WsConfig(64, 4, 2, 8), WsConfig(64, 4, 2, 16), WsConfig(64, 4, 4, 6), WsConfig(64, 8, 2, 8),
            WsConfig(32, 4, 2, 8), WsConfig(32, 4, 2, 16), WsConfig(32, 2, 2, 12), WsConfig(16, 2, 2, 12),
-           WsConfig(128, 8, 2, 6), WsConfig(64, 4, 2, 8, CHAINS=1)]
+           WsConfig(128, 8, 2, 6), WsConfig(64, 4, 2, 8, CHAINS=1), WsConfig(64, 4, 2, 8, EVICT_FIRST=True),
+           WsConfig(32, 4, 2, 8, EVICT_FIRST=True)]
 
 
 def compile_only(out_dir: str) -> None:
@@ -474,7 +482,7 @@ def compile_only(out_dir: str) -> None:
     for cfg in CONFIGS:
         for K in (4096, 8192, 14336):
             d = os.path.abspath(os.path.join(out_dir, f"{cfg.BLOCK_N}_{cfg.CONSUMERS}_{cfg.GROUPS}_{cfg.STAGES}_"
-                                                     f"{cfg.CHAINS}_{K}"))
+                                                     f"{cfg.CHAINS}_{int(cfg.EVICT_FIRST)}_{K}"))
             os.makedirs(d, exist_ok=True)
             build(cfg, K, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
             cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
