@@ -497,6 +497,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,4096x4096,6144x4096")
     ap.add_argument("--compile-only", default=None, metavar="DIR")
+    ap.add_argument("--configs", default=None, help="indices into CONFIGS (comma-separated; default all)")
     args = ap.parse_args()
     if args.compile_only:
         compile_only(args.compile_only)
@@ -507,6 +508,7 @@ def main():
     sys.path.insert(0, "benchmarks/proto")
     from int4_sync_probe import dispatcher_configs, probe_shapes
 
+    configs = CONFIGS if args.configs is None else [CONFIGS[int(i)] for i in args.configs.split(",")]
     for shape, sms in probe_shapes(args.shapes, args.csv, width=60):
         shape.stream_read(sms)
         plain = None
@@ -518,7 +520,7 @@ def main():
                                      ("z", torch.uint8, (shape.N, G)))}
         wp, s, z = (shape.leaves[idx[k]] for k in ("wp", "s", "z"))
         ref = reference(shape.x, wp, s, z)
-        for cfg in CONFIGS:
+        for cfg in configs:
             try:
                 out = torch.full((1, shape.N), float("nan"), dtype=torch.bfloat16, device="cuda")
                 got = int4_ws_gemv(shape.x, wp, s, z, cfg, out=out)
