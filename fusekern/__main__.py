@@ -133,8 +133,9 @@ def main(argv=None) -> int:
     d.add_argument("--weights", choices=("w4a16", "w8a16", "fp8", "nvfp4"), default="w4a16")
     d.add_argument("--steps", type=_positive_int, default=None, help="decode steps (default: 12 on CPU, 64 on CUDA)")
     d.add_argument("--batch", type=_positive_int, default=1)
-    d.add_argument("--cuda-graphs", action="store_true",
-                   help="also run stock and fusekern compiled with mode=\"reduce-overhead\" (CUDA graphs)")
+    d.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run stock and fusekern compiled with mode=\"reduce-overhead\" (CUDA graphs; "
+                        "default: on with CUDA, off on CPU)")
     b = sub.add_parser("bench", help="run the benchmarks on this GPU: CSV, PNG plots, result tables (H200)")
     b.add_argument("--family", action="append", choices=sorted(BENCHMARKS), help="only this family (repeatable)")
     args = ap.parse_args(argv)

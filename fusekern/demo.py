@@ -234,16 +234,19 @@ def _warm_up(name: str, step, sampler, prompt, graphs: bool = False) -> None:
 
 
 def main(device: str | None = None, weights: str = "w4a16", steps: int | None = None, batch: int = 1,
-         cuda_graphs: bool = False) -> int:
+         cuda_graphs: bool | None = None) -> int:
     """``cuda_graphs``: stock and fusekern also run compiled with ``mode="reduce-overhead"`` (CUDA graphs: a
     decode step at small batch is bound by the host's launches without them), checked and timed the same way.
-    Off by default until it has run on a GPU (session 27 had no device time left; on CPU it runs, without graphs)."""
+    None (the default): on with CUDA, off on CPU (where inductor makes no graphs: the runs would only repeat the
+    plain ones). On an H100 at B = 1 fusekern went from 715.8 to 1315.8 tokens/s with them, stock from 515.0 to
+    567.5 (docs/results-h100.md, session 29)."""
     import fusekern
     from fusekern.testing import rel_err
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"device must be 'cpu' or 'cuda' (with a CUDA device present), got {device!r}")
+    cuda_graphs = device == "cuda" if cuda_graphs is None else cuda_graphs
     cfg = LLAMA3_8B_SHAPED if device == "cuda" else TINY
     steps = (64 if device == "cuda" else 12) if steps is None else steps
     if steps < 1 or batch < 1:

@@ -65,3 +65,17 @@ def test_check_names_an_unknown_pattern_and_lists_the_registered(capsys):
     assert main(["check", "--pattern", "w8a16_linear_scale", "--pattern", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "no pattern named nosuch" in err and "w8a16_linear_scale" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["demo"], None), (["demo", "--cuda-graphs"], True), (["demo", "--no-cuda-graphs"], False),
+])
+def test_cli_cuda_graphs_default_to_the_device(argv, expected, monkeypatch):
+    """The CLI passes None unless asked: the demo then uses CUDA graphs on a GPU and not on CPU."""
+    import fusekern.demo
+    from fusekern.__main__ import main
+
+    seen = {}
+    monkeypatch.setattr(fusekern.demo, "main", lambda *a, **k: seen.update(k) or 0)
+    assert main(argv) == 0
+    assert seen["cuda_graphs"] is expected
