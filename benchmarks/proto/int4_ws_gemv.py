@@ -445,7 +445,8 @@ def int4_ws_gemv(x, wp, s, z, cfg: WsConfig, out=None, ctas: int | None = None):
     assert s.dtype == torch.bfloat16 and z.dtype == torch.uint8 and s.shape == z.shape == (N, K // GROUP)
     assert wp.is_contiguous() and s.is_contiguous() and z.is_contiguous()
     assert all(t.data_ptr() % 16 == 0 for t in (x, wp, s, z)), "16-byte aligned bases (TMA, ld.v4)"
-    assert all(t.device == x.device for t in (wp, s, z)) and x.device == torch.device("cuda", torch.cuda.current_device())
+    assert all(t.device == x.device for t in (wp, s, z))
+    assert x.device == torch.device("cuda", torch.cuda.current_device()), "launches on the current device"
     fn, _ = build(cfg, K)
     if out is None:
         out = torch.empty(1, N, dtype=torch.bfloat16, device=x.device)
