@@ -21,7 +21,26 @@ def test_demo_matches_eager_and_fuses(weights, capsys):
     assert sum(dequant.values()) >= 7 * demo.TINY.layers, fired
     assert all(name.startswith(EXPECTED[weights]) for name in dequant), dequant
     assert fired["sample"] >= 1, fired
-    assert "equivalent" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "equivalent" in out
+    assert "CUDA graphs" not in out  # the default on CPU: no graph variants (inductor makes none there)
+
+
+@pytest.mark.slow
+def test_demo_skips_a_cuda_graph_variant_that_fails(capsys, monkeypatch):
+    """A CUDA-graph variant whose compile or capture raises is skipped with a line saying why; the demo's
+    check still runs on the others."""
+    warm_up = demo._warm_up
+
+    def failing(name, *a, graphs=False, **k):
+        if graphs and name.startswith("fusekern"):
+            raise RuntimeError("capture failed")
+        return warm_up(name, *a, graphs=graphs, **k)
+    monkeypatch.setattr(demo, "_warm_up", failing)
+    assert demo.main("cpu", weights="w4a16", steps=2, cuda_graphs=True) == 0
+    out = capsys.readouterr().out
+    assert "fusekern + CUDA graphs skipped (RuntimeError: capture failed)" in out, out
+    assert "stock + CUDA graphs vs eager" in out and "fusekern + CUDA graphs vs eager" not in out
 
 
 @pytest.mark.slow

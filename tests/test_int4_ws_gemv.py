@@ -1,6 +1,6 @@
 """Checks for the warp-specialized int4 GEMV probe (benchmarks/proto/int4_ws_gemv.py, CuTe DSL).
 
-CPU (CI): each probe config builds for sm_90a without a GPU, with no local memory, at most 64 registers (so
+CPU (CI): every probe config builds for sm_90a (K = 4096) without a GPU, with no local memory, at most 64 registers (so
 registers never limit its CTAs per SM), 8 MMAs per group of 128 k and one TMA copy per group slot; bad
 configs are refused. GPU (``gpu`` marker): the kernel against the float64 reference over odd N (tail tiles),
 K = 2048 to 14336, every config, the output poisoned first.
@@ -33,9 +33,10 @@ def _sass(cubin: str) -> str:
 
 
 @needs_cutlass
-@pytest.mark.parametrize("index", [0, 2, 4, 6])
+@pytest.mark.parametrize("index", range(12))
 def test_probe_builds_for_sm90a_without_spills(tmp_path, index):
     ws = _probe()
+    assert len(ws.CONFIGS) == 12  # (the parametrization above counts them)
     cfg = ws.CONFIGS[index]
     ws.build(cfg, 4096, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     cubin = next(str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".cubin"))
@@ -51,6 +52,7 @@ def test_probe_builds_for_sm90a_without_spills(tmp_path, index):
     assert len(re.findall(r"UTMALDG\.2D", sass)) == cfg.GROUPS + 2, cfg
 
 
+@needs_cutlass
 def test_configs_refuse_what_the_kernel_cannot_take():
     ws = _probe()
     with pytest.raises(AssertionError, match="whole stages"):
@@ -66,7 +68,8 @@ def test_configs_refuse_what_the_kernel_cannot_take():
 
 @pytest.mark.gpu
 @needs_cutlass
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU (TMA, sm_90a)")
 @pytest.mark.parametrize("N,K", [(4096, 4096), (1000, 8192), (8200, 2048), (520, 14336)])
 def test_probe_matches_float64(N, K):
     ws = _probe()

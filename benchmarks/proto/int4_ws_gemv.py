@@ -1,7 +1,7 @@
 """A warp-specialized int4 GEMV in CuTe DSL: one TMA producer warp, mma.sync consumer warps (probe, issue 4).
 
     python benchmarks/proto/int4_ws_gemv.py [--csv OUT.csv] [--shapes 8192x8192,...]   # GPU: check + time
-    python benchmarks/proto/int4_ws_gemv.py --compile-only                               # CPU: sm_90a build
+    python benchmarks/proto/int4_ws_gemv.py --compile-only DIR                           # CPU: sm_90a builds
 
 Why (docs/results-h200.md, "What holds it"): ``int4_mma_sync`` at M = 1 streams its word loads alone at the
 read's speed (10.0 against 9.9 µs at 8192 x 8192) and computes alone in 9.2 µs, but takes 16 µs with both:
@@ -487,7 +487,10 @@ def compile_only(out_dir: str) -> None:
             os.makedirs(d, exist_ok=True)
             build(cfg, K, options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
             cubins = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".cubin")]
-            res = subprocess.run(["cuobjdump", "-res-usage", cubins[0]], capture_output=True, text=True).stdout \
+            from fusekern.kernels.cute_scaled_mm import _tool
+
+            res = subprocess.run([_tool("cuobjdump") or "cuobjdump", "-res-usage", cubins[0]], capture_output=True,
+                                 text=True).stdout \
                 if cubins else "no cubin"
             line = [ln for ln in res.splitlines() if "REG" in ln]
             print(cfg, K, line[0].strip() if line else res[:200], flush=True)
