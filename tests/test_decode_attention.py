@@ -306,6 +306,13 @@ def test_a_growing_cache_is_timed_once_per_power_of_two_of_its_length(monkeypatc
         k = v = torch.randn(1, 2, S, 64, dtype=BF16)
         A._choose(q, k, v, None, 64 ** -0.5, -math.inf)
     assert len(timed) == 2 * 3 and len(A._choice) == 3  # S = 8; 9-16; 17-19: ours and SDPA's each
+    # only the KV length is bucketed: 3 KV heads over 3 tokens and 4 over 3 are timed apart (a dim that equals the
+    # KV length stays exact)
+    q = torch.randn(1, 12, 1, 64, dtype=BF16)
+    for kv_heads in (3, 4):
+        k = torch.randn(1, kv_heads, 3, 64, dtype=BF16)
+        A._choose(q, k, k, None, 64 ** -0.5, -math.inf)
+    assert len(A._choice) == 5
 
 
 @pytest.mark.gpu

@@ -390,13 +390,16 @@ _choice: dict = {}  # (layouts with the KV length bucketed, mask value, device) 
 _CHOICE_MAX = 4096
 
 
-def _layout(t, kv_len: int):
-    """A tensor's layout for the choice, with the KV length (the last dim of a mask, dim 2 of K and V) in its
-    power-of-two bucket: a cache that grows by a token a step would otherwise be timed again every step."""
+def _layout(t, kv_dim: int | None):
+    """A tensor's layout for the choice, with the KV length (dim ``kv_dim``: the last dim of a mask, dim 2 of K
+    and V; None for q) in its power-of-two bucket: a cache that grows by a token a step would otherwise be timed
+    again every step. Other dims stay exact, also where one happens to equal the KV length."""
     if t is None:
         return None
-    shape = tuple(next_power_of_2(d) if d == kv_len else d for d in t.shape)
-    return shape, t.stride(-1), t.is_contiguous(), t.dtype
+    shape = list(t.shape)
+    if kv_dim is not None:
+        shape[kv_dim] = next_power_of_2(shape[kv_dim])
+    return tuple(shape), t.stride(-1), t.is_contiguous(), t.dtype
 
 
 def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
@@ -404,8 +407,7 @@ def _choose(q, k, v, mask, sm_scale, masked_value) -> bool:
     / V out of L2, as a decode step reads them), the answer kept per shape class (the KV length's power-of-two
     bucket) and device. While a CUDA graph is captured nothing can be timed: a shape not yet measured runs
     PyTorch's SDPA (never slower than the graph the rewrite replaced)."""
-    S = k.shape[2]
-    key = (_layout(q, -1), _layout(k, S), _layout(v, S), _layout(mask, S), masked_value, q.device)
+    key = (_layout(q, None), _layout(k, 2), _layout(v, 2), _layout(mask, -1), masked_value, q.device)
     if key in _choice:
         return _choice[key]
     if torch.cuda.is_current_stream_capturing():
